@@ -1,0 +1,1 @@
+"""Ray actors of raypar: thin shells over the pure runtime in `raypar`."""

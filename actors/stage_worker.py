@@ -1,0 +1,70 @@
+"""One cell of the dp x pp x ep grid: a Ray actor wrapping raypar.runtime.StageRuntime."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import ray
+import torch
+
+from raypar.config import Config, config_from_dict
+from raypar.data import TokenDataset
+from raypar.runtime.groups import build_groups, init_world
+from raypar.runtime.stage import StepReport, StageRuntime
+from raypar.schedule import Action
+from raypar.topology import Grid
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class StageWorker:
+    def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
+        self.cfg: Config = config_from_dict(cfg)
+        self.grid = grid
+        self.rank = rank
+        if device == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            # Several workers share a node's cores: one intra-op thread each avoids thrashing.
+            torch.set_num_threads(max(1, int(self.cfg.runtime.cpus_per_worker)))
+        self.data_path = data_path
+        self.runtime: StageRuntime | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the process-group rendezvous."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
+        groups = build_groups(self.grid, self.rank, timeout)
+        coord = self.grid.coord(self.rank)
+        needs_data = coord.pp in (0, self.grid.pp - 1)
+        dataset = TokenDataset(self.data_path, self.cfg.data.seq_len) if needs_data else None
+        torch.manual_seed(self.cfg.train.seed)
+        self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset)
+        return {"rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "device": str(self.device), "backend": backend}
+
+    def run_step(self, step: int, program: list[Action], sample_ids: list[int],
+                 capture_grads: bool = False) -> StepReport:
+        return self.runtime.run_step(step, program, sample_ids, capture_grads)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.runtime.parameters_cpu()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""The stage workers of one grid: placed together, wired into process groups, stepped."""
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypar.config import Config
+from raypar.resources import ResourceError, WorkerResources
+from raypar.runtime.stage import StepReport
+from raypar.schedule import Action
+from raypar.topology import Grid
+
+from .stage_worker import StageWorker
+
+# NVLink multicast (NVLS) hangs on the GPU machines this runs on; keep it off in workers.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class StepTimeout(RuntimeError):
+    """Some stage workers did not finish a step in time."""
+
+
+class WorkerGroup:
+    def __init__(self, cfg: Config, grid: Grid, resources: WorkerResources, data_path: str):
+        self.cfg = cfg
+        self.grid = grid
+        self.pg = placement_group([resources.bundle()] * grid.size, strategy="PACK")
+        timeout = cfg.runtime.placement_timeout_s
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise ResourceError(
+                f"could not place {grid.size} stage workers with {resources.bundle()} each within "
+                f"runtime.placement_timeout_s={timeout:g}s; the cluster is busy or its free resources are "
+                f"split across nodes (ray status shows them)"
+            )
+        env = {"env_vars": GPU_ENV} if resources.device == "cuda" else None
+        cfg_dict = cfg.to_dict()
+        self.workers = [
+            StageWorker.options(
+                num_cpus=resources.cpus,
+                num_gpus=resources.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                runtime_env=env,
+                name=None,
+            ).remote(cfg_dict, grid, rank, resources.device, data_path)
+            for rank in range(grid.size)
+        ]
+        setup_timeout = cfg.runtime.collective_timeout_s + 120.0
+        addr, port = ray.get(self.workers[0].address.remote(), timeout=setup_timeout)
+        self.info = self._get([w.setup.remote(addr, port) for w in self.workers], setup_timeout, "setup")
+
+    def run_step(self, step: int, programs: list[list[Action]], sample_ids: list[list[int]],
+                 capture_grads: bool = False) -> list[StepReport]:
+        """programs[rank] and sample_ids[rank]; one Ray call per worker."""
+        refs = [w.run_step.remote(step, programs[r], sample_ids[r], capture_grads)
+                for r, w in enumerate(self.workers)]
+        return self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
+
+    def parameters(self) -> dict:
+        merged: dict = {}
+        # Replicas hold equal copies; take each name from its first holder.
+        for params in ray.get([w.parameters.remote() for w in self.workers]):
+            for name, t in params.items():
+                merged.setdefault(name, t)
+        return merged
+
+    def _get(self, refs: list, timeout: float, what: str) -> list:
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = [refs.index(r) for r in pending]
+                raise StepTimeout(f"{what}: stage workers of ranks {late} did not answer within {timeout:g}s")
+            ray.get(done[0])  # a worker's error surfaces now, not after its peers time out
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        remove_placement_group(self.pg)

@@ -1,0 +1,5 @@
+import sys
+
+from raypar.cli import main
+
+sys.exit(main())

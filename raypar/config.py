@@ -1,0 +1,284 @@
+"""Typed run configuration: dataclasses loaded from YAML, overridable with `a.b=value`.
+
+Every key is checked: an unknown key, a value of the wrong type or an impossible
+combination raises ConfigError naming the key and saying what would work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot work."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (no grouped-query attention)
+    ffn_dim: int | None = None  # None: about 8/3 * dim, rounded up to a multiple of 8
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # Parameter dtype. bfloat16 keeps fp32 master weights and fp32 gradient accumulation.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return 8 * ((int(8 * self.dim / 3) + 7) // 8)
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    schedule: Literal["fthenb", "1f1b"] = "1f1b"
+    microbatches: int = 1  # per data-parallel replica and step
+    layers_per_stage: list[int] | None = None  # None: as even as possible
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    global_batch_size: int = 8  # samples per optimizer step, over all replicas
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # Parquet token file or folder; None: synthetic corpus in the run dir
+    seq_len: int = 32
+    shuffle: bool = True
+    synthetic_samples: int = 4096
+
+
+@dataclass
+class RuntimeConfig:
+    run_dir: str = "runs/default"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    release: bool = True  # free activations backward no longer needs
+    # Activation recompute: "block" keeps each block's input and recomputes the block in
+    # backward; "stage" keeps only the stage input and recomputes the whole stage.
+    recompute: Literal["none", "block", "stage"] = "none"
+    cpus_per_worker: float = 1.0
+    # Local cluster size when the driver starts Ray itself; None lets Ray count the machine.
+    num_cpus: int | None = None
+    ray_address: str | None = None  # None: RAY_ADDRESS, else a new local cluster
+    placement_timeout_s: float = 30.0
+    collective_timeout_s: float = 120.0
+    step_timeout_s: float = 600.0
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.train.global_batch_size // (self.parallel.dp * self.parallel.microbatches)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Config from a YAML file (or the defaults) with `section.key=value` overrides applied."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p} (configs/ holds the shipped ones, e.g. configs/tiny.yaml)")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = from_dict(Config, raw)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    cfg = from_dict(Config, raw)
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. parallel.pp=2")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, checking every key and value type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = prefix or "the top level"
+        raise ConfigError(
+            f"unknown config key {_join(prefix, unknown[0])!r}; valid keys at {where}: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, value in raw.items():
+        values[name] = _coerce(hints[name], value, _join(prefix, name))
+    return cls(**values)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value or {}, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(non_none[0], value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"config field {key} has unsupported type {tp}")
+
+
+# ---------------------------------------------------------------------------------------
+# Validation of values and their combinations
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config) -> None:
+    m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.runtime
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.dim": m.dim, "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads, "model.max_seq_len": m.max_seq_len,
+        "parallel.dp": p.dp, "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.microbatches": p.microbatches,
+        "train.global_batch_size": t.global_batch_size, "data.seq_len": d.seq_len,
+        "data.synthetic_samples": d.synthetic_samples, "runtime.log_every": r.log_every,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,
+                       "runtime.collective_timeout_s": r.collective_timeout_s, "runtime.step_timeout_s": r.step_timeout_s}.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+            f"n_heads could be one of {_divisors(m.dim)[-6:]}"
+        )
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    if t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism needs MoE layers, which this version does not have; use parallel.ep=1")
+    if p.pp > m.n_layers:
+        raise ConfigError(
+            f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "
+            f"use parallel.pp <= {m.n_layers}"
+        )
+    if p.layers_per_stage is not None:
+        if len(p.layers_per_stage) != p.pp:
+            raise ConfigError(f"parallel.layers_per_stage has {len(p.layers_per_stage)} entries but parallel.pp={p.pp}")
+        if any(n < 1 for n in p.layers_per_stage):
+            raise ConfigError(f"parallel.layers_per_stage={p.layers_per_stage}: every stage needs at least one layer")
+        if sum(p.layers_per_stage) != m.n_layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage={p.layers_per_stage} sums to {sum(p.layers_per_stage)} "
+                f"but model.n_layers={m.n_layers}"
+            )
+    per_step = p.dp * p.microbatches
+    if t.global_batch_size % per_step:
+        fits = [k for k in _divisors(t.global_batch_size // p.dp) if t.global_batch_size % p.dp == 0]
+        hint = f"parallel.microbatches could be one of {fits}" if fits else f"train.global_batch_size must be a multiple of parallel.dp={p.dp}"
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.dp * parallel.microbatches "
+            f"= {p.dp} * {p.microbatches} = {per_step}; {hint}"
+        )

@@ -1,0 +1,8 @@
+"""Token data: Parquet-backed samples, a deterministic sample order, synthetic corpora."""
+from __future__ import annotations
+
+from raypar.data.dataset import DataError, TokenDataset
+from raypar.data.order import SampleOrder, split_batch
+from raypar.data.synthetic import write_synthetic_corpus
+
+__all__ = ["DataError", "SampleOrder", "TokenDataset", "split_batch", "write_synthetic_corpus"]

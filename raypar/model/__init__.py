@@ -1,0 +1,37 @@
+"""The model: a Llama-style transformer that builds whole or as pipeline stages."""
+from __future__ import annotations
+
+from raypar.model.partition import PartitionError, build_stage, split_layers, stage_param_names
+from raypar.model.transformer import (
+    Attention,
+    Block,
+    FeedForward,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    build_mlp,
+    flops_per_token,
+    init_weights,
+    num_params,
+    param_dtype,
+    rope_tables,
+)
+
+__all__ = [
+    "Attention",
+    "Block",
+    "FeedForward",
+    "PartitionError",
+    "RMSNorm",
+    "Transformer",
+    "apply_rope",
+    "build_mlp",
+    "build_stage",
+    "flops_per_token",
+    "init_weights",
+    "num_params",
+    "param_dtype",
+    "rope_tables",
+    "split_layers",
+    "stage_param_names",
+]

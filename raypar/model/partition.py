@@ -1,0 +1,106 @@
+"""Split the model's layers into contiguous pipeline stages and build one stage."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from raypar.config import ModelConfig
+from raypar.model.transformer import Transformer, init_weights
+
+__all__ = ["PartitionError", "split_layers", "build_stage", "stage_param_names"]
+
+
+class PartitionError(ValueError):
+    """A pipeline split that cannot work."""
+
+
+def _remainder_order(n_stages: int) -> list[int]:
+    # Stage 0 holds the embedding and the last stage the norm, head and loss (a
+    # vocab-sized matmul), so extra layers go to interior stages first, nearest the
+    # middle first; then stage 0 (an embedding lookup is cheap), then the last stage.
+    interior = sorted(range(1, n_stages - 1), key=lambda i: (abs(2 * i - (n_stages - 1)), i))
+    ends = [0, n_stages - 1] if n_stages > 1 else [0]
+    return interior + ends
+
+
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """Contiguous global layer ranges, one per pipeline stage.
+
+    Explicit `layers_per_stage` is used as given (n_stages entries, each >= 1, summing to
+    n_layers). Otherwise every stage gets n_layers // n_stages layers and the remainder
+    goes one layer each to the interior stages nearest the middle, then to the first
+    stage, then to the last; e.g. 10 layers on 4 stages -> [2, 3, 3, 2], 7 on 3 -> [2, 3, 2],
+    5 on 2 -> [3, 2].
+    """
+    if n_layers < 1:
+        raise PartitionError(f"cannot split {n_layers} layers: the model needs at least one layer")
+    if n_stages < 1:
+        raise PartitionError(f"cannot split into {n_stages} pipeline stages: use at least 1 stage")
+    if layers_per_stage is None:
+        if n_stages > n_layers:
+            raise PartitionError(
+                f"cannot split {n_layers} layers into {n_stages} pipeline stages: each stage needs at least "
+                f"one layer; use at most {n_layers} stages"
+            )
+        counts = [n_layers // n_stages] * n_stages
+        for stage in _remainder_order(n_stages)[: n_layers % n_stages]:
+            counts[stage] += 1
+    else:
+        counts = list(layers_per_stage)
+        if len(counts) != n_stages:
+            raise PartitionError(
+                f"layers_per_stage={counts} has {len(counts)} entries but there are {n_stages} pipeline stages; "
+                f"give one count per stage"
+            )
+        if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+            raise PartitionError(f"layers_per_stage={counts} must hold integers")
+        if any(c < 1 for c in counts):
+            raise PartitionError(f"layers_per_stage={counts}: every stage needs at least one layer")
+        if sum(counts) != n_layers:
+            raise PartitionError(
+                f"layers_per_stage={counts} sums to {sum(counts)} but the model has {n_layers} layers"
+            )
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None) -> Transformer:
+    ranges = split_layers(cfg.n_layers, n_stages, layers_per_stage)
+    if not 0 <= stage < n_stages:
+        raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
+    return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1)
+
+
+def build_stage(
+    cfg: ModelConfig,
+    stage: int,
+    n_stages: int,
+    layers_per_stage: Sequence[int] | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Transformer:
+    """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
+
+    Stage 0 holds the embedding, the last stage the final norm and head; with n_stages=1
+    this is the whole model. Built on the meta device first so tensors are allocated once,
+    directly on `device` (default: CPU), and never filled with a throwaway default init.
+    """
+    with torch.device("meta"):
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage)
+    model.to_empty(device=device if device is not None else "cpu")
+    model.reset_buffers()
+    init_weights(model, cfg, seed)
+    return model
+
+
+def stage_param_names(
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
+) -> list[str]:
+    """Global parameter names of a stage, without allocating any tensor."""
+    with torch.device("meta"):
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage)
+    return [name for name, _ in model.named_parameters()]

@@ -1,0 +1,302 @@
+"""Llama-style decoder-only transformer that can be built whole or as one pipeline stage.
+
+Parameter names are global and topology-free (`layers.7.attn.wq.weight` is layer 7's
+query projection wherever layer 7 lives), so checkpoints, optimizer state and the
+deterministic initialisation below do not depend on how the model is split.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from raypar.config import ModelConfig
+
+__all__ = [
+    "RMSNorm",
+    "Attention",
+    "FeedForward",
+    "Block",
+    "Transformer",
+    "build_mlp",
+    "init_weights",
+    "flops_per_token",
+    "num_params",
+    "param_dtype",
+    "rope_tables",
+    "apply_rope",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def param_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The torch dtype parameters are created in (`cfg.dtype`)."""
+    try:
+        return _DTYPES[cfg.dtype]
+    except KeyError:
+        raise ValueError(f"model.dtype={cfg.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # bf16 has too little mantissa for a stable mean of squares; normalise in fp32.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary position embedding (Hugging Face / Llama "rotate_half" convention)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables of shape [max_seq_len, head_dim], in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)
+    # Both halves of a head share the frequencies: rotate_half pairs element i with i + hd/2.
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [b, heads, t, head_dim] by position tables cos/sin [t, head_dim]."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------
+# Blocks
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dtype = param_dtype(cfg)
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            # Explicit repeat rather than SDPA's enable_gqa: every backend (CPU math,
+            # flash, mem-efficient) accepts it, at the cost of materialising k/v per head.
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False, dtype=dtype)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def build_mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """The MLP of layer `layer_id`.
+
+    This is the seam for mixture-of-experts: a MoE layer (for chosen layer ids, e.g. every
+    other one) is returned from here and keeps the `layers.<i>.mlp.` name prefix, so the
+    rest of the model, partitioning and initialisation stay unchanged. Its module must map
+    [b, t, dim] -> [b, t, dim]; any auxiliary loss needs its own channel out of the block.
+    """
+    return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        dtype = param_dtype(cfg)
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.mlp = build_mlp(cfg, layer_id)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+# ---------------------------------------------------------------------------------------
+# Whole model or pipeline stage
+
+
+class Transformer(nn.Module):
+    """The whole model (defaults) or one pipeline stage of it.
+
+    A stage holds the layers `layer_ids` (global indices, contiguous or not), the token
+    embedding if `has_embed` and the final norm plus output head if `has_head`. Without an
+    embedding the input is hidden states [b, t, dim]; without a head the output is too.
+    """
+
+    recompute: bool
+    on_block_input: Callable[[Tensor], None] | None
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_ids: Sequence[int] | None = None,
+        has_embed: bool = True,
+        has_head: bool = True,
+    ) -> None:
+        super().__init__()
+        dtype = param_dtype(cfg)
+        self.cfg = cfg
+        ids = list(range(cfg.n_layers)) if layer_ids is None else [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < cfg.n_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} are outside the model's layers 0..{cfg.n_layers - 1}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"layer ids {ids} repeat a layer")
+        self.layer_ids = ids
+        self.has_embed = has_embed
+        self.has_head = has_head
+        self.recompute = False
+        self.on_block_input = None
+
+        if has_embed:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg) for i in ids})
+        if has_head:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+            # Untied from embed: the two live on different pipeline stages.
+            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+
+        # Non-persistent: derived from cfg, so they stay out of checkpoints and names.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the rotary tables, e.g. after building on the meta device and `to_empty`."""
+        if device is None:
+            device = self.rope_cos.device
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+        if self.has_embed:
+            if x.dtype.is_floating_point:
+                raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
+            h = self.embed(x)
+        else:
+            if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
+                raise ValueError(f"this stage expects hidden states [b, t, {self.cfg.dim}], got shape {tuple(x.shape)}")
+            h = x
+        t = h.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+
+        use_recompute = self.recompute and torch.is_grad_enabled()
+        for block in self.layers.values():
+            if use_recompute:
+                if self.on_block_input is not None:
+                    self.on_block_input(h)
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
+
+        if not self.has_head:
+            if labels is not None:
+                raise ValueError("labels were given to a stage without the output head")
+            return h
+        logits = self.head(self.norm(h))
+        if labels is None:
+            return logits
+        # Mean over the micro-batch's tokens (labels == -100 are ignored), in fp32.
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+# ---------------------------------------------------------------------------------------
+# Initialisation and accounting
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # A stable digest (not Python's salted hash) of (seed, global name): every process
+    # and every pipeline split derives the same stream for the same parameter.
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+_RESIDUAL_OUT = ("wo", "w2")  # projections that write into the residual stream
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise every parameter of `module` deterministically from (seed, its name).
+
+    `module` must name its parameters globally (a `Transformer`, whole or stage). Values are
+    drawn on the CPU in fp32 and then copied, so they are bitwise identical across
+    pipeline splits, devices and parameter dtypes (up to the final cast).
+    """
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    for mod_name, mod in module.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if p.is_meta:
+                raise ValueError(f"parameter {name} is on the meta device; call module.to_empty(device=...) first")
+            if isinstance(mod, RMSNorm):
+                p.fill_(1.0)
+                continue
+            if p_name == "bias":
+                p.zero_()
+                continue
+            std = residual_std if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT else cfg.init_std
+            gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+            values = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.copy_(values.to(p.dtype))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), for MFU.
+
+    6 * matmul parameters (attention and MLP projections of every layer plus the head; the
+    embedding is a lookup) + 12 * n_layers * dim * seq_len for attention scores and values.
+    """
+    hd = cfg.dim // cfg.n_heads
+    attn = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.kv_heads * hd
+    mlp = 3 * cfg.dim * cfg.hidden_dim
+    matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+    return float(6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len)
+
+
+def num_params(module: nn.Module) -> int:
+    """Number of parameter elements (shared parameters counted once)."""
+    return sum(p.numel() for p in module.parameters())

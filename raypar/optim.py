@@ -1,0 +1,112 @@
+"""Optimizer pieces shared by stage workers and the single-process reference.
+
+AdamW over fp32 master weights, the learning-rate schedule, and global-norm clipping
+whose norm may be summed over several workers before it is applied.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from raypar.config import TrainConfig
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at the last step (0-based step)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    # Matrices decay; norm gains do not (the usual AdamW recipe for transformers).
+    return p.ndim >= 2
+
+
+class MasterOptimizer:
+    """AdamW on fp32 master weights for a module whose parameters may be bf16.
+
+    fp32 modules are optimised in place. For bf16 modules every parameter gets an fp32
+    `main_grad` that backward accumulates into (micro-batch gradients summed in fp32, not
+    bf16) and an fp32 master copy that AdamW updates and casts back after each step.
+    """
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig):
+        self.cfg = cfg
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
+        if self.mixed:
+            self.master = [p.detach().float().clone() for _, p in self.named_params]
+            for (_, p), m in zip(self.named_params, self.master):
+                m.grad = torch.zeros_like(m)
+                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+        else:
+            self.master = [p for _, p in self.named_params]
+        decay = [m for (n, p), m in zip(self.named_params, self.master) if _decays(n, p)]
+        no_decay = [m for (n, p), m in zip(self.named_params, self.master) if not _decays(n, p)]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            foreach=True,
+        )
+
+    @staticmethod
+    def _accumulate_into(master: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            master.grad.add_(p.grad)
+            p.grad = None
+
+        return hook
+
+    def grads(self) -> list[torch.Tensor]:
+        """The accumulated fp32 gradients, one per parameter (zeros where none arrived)."""
+        out = []
+        for m in self.master:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            out.append(m.grad)
+        return out
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        return {n: g for (n, _), g in zip(self.named_params, self.grads())}
+
+    def local_sq_norm(self) -> torch.Tensor:
+        grads = self.grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+
+    def step(self, step: int, total_norm: float) -> float:
+        """Clip by the global norm, update with the step's learning rate, zero the grads."""
+        grads = self.grads()
+        if self.cfg.grad_clip > 0:
+            coef = min(1.0, self.cfg.grad_clip / (total_norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        lr = lr_at(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for (_, p), m in zip(self.named_params, self.master):
+                    p.copy_(m)
+        self.zero_grad()
+        return lr
+
+    def zero_grad(self) -> None:
+        for m in self.master:
+            if m.grad is not None:
+                m.grad.zero_()
+        if self.mixed:
+            for _, p in self.named_params:
+                p.grad = None
+
+
+def global_norm(sq_norms: Iterable[torch.Tensor]) -> float:
+    return float(torch.stack(list(sq_norms)).sum().sqrt())

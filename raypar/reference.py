@@ -1,0 +1,30 @@
+"""Single-process reference: the whole model, the whole batch, the same optimizer.
+
+Pipelined and resharded runs are checked against it (losses, gradients, weights).
+"""
+from __future__ import annotations
+
+import torch
+
+from raypar.config import Config
+from raypar.model import build_stage
+from raypar.optim import MasterOptimizer
+
+
+class ReferenceTrainer:
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.model = build_stage(cfg.model, 0, 1, seed=cfg.train.seed, device=torch.device(device))
+        self.optimizer = MasterOptimizer(self.model, cfg.train)
+
+    def step(self, step: int, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        """One optimizer step on the full batch; returns the loss and the unclipped gradients."""
+        loss = self.model(tokens, labels)
+        loss.backward()
+        grads = {n: g.detach().float().clone() for n, g in self.optimizer.named_grads().items()}
+        norm = float(self.optimizer.local_sq_norm().sqrt())
+        self.optimizer.step(step, norm)
+        return float(loss.detach()), grads
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}

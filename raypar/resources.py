@@ -1,0 +1,48 @@
+"""What a grid asks of the cluster, checked before anything is placed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raypar.config import Config
+from raypar.topology import Grid
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot hold the requested grid."""
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    device: str  # "cpu" or "cuda"
+    cpus: float
+    gpus: int
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus}
+        if self.gpus:
+            b["GPU"] = self.gpus
+        return b
+
+
+def plan_resources(cfg: Config, grid: Grid, cluster: dict[str, float]) -> WorkerResources:
+    """One GPU per worker when the run uses GPUs; fail at once if the cluster is too small."""
+    n = grid.size
+    cpus_have = cluster.get("CPU", 0.0)
+    gpus_have = int(cluster.get("GPU", 0))
+    device = cfg.runtime.device
+    if device == "auto":
+        device = "cuda" if gpus_have > 0 else "cpu"
+    if device == "cuda" and gpus_have < n:
+        raise ResourceError(
+            f"the grid {grid} needs {n} GPUs (one per stage worker) but the cluster has {gpus_have}; "
+            f"use a grid of at most {gpus_have} workers, or runtime.device=cpu"
+        )
+    need_cpus = n * cfg.runtime.cpus_per_worker
+    if need_cpus > cpus_have + 1e-9:
+        fit = cpus_have / n
+        raise ResourceError(
+            f"the grid {grid} needs {n} workers x runtime.cpus_per_worker={cfg.runtime.cpus_per_worker} "
+            f"= {need_cpus:g} CPUs but the cluster has {cpus_have:g}; "
+            + (f"set runtime.cpus_per_worker<={fit:.3g} or use a smaller grid" if fit > 0 else "add CPUs to the cluster")
+        )
+    return WorkerResources(device=device, cpus=cfg.runtime.cpus_per_worker, gpus=1 if device == "cuda" else 0)

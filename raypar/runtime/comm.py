@@ -1,0 +1,50 @@
+"""Tensor traffic among stage workers over torch.distributed (NCCL on GPU, gloo on CPU)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveTimeout(RuntimeError):
+    """A peer did not take part in a p2p exchange or collective in time."""
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+             timeout: timedelta) -> None:
+    """Post every send and receive of one comm unit as one batch, then wait for all.
+
+    Posting a unit's sends and receives together is what keeps a schedule's paired
+    exchanges (e.g. 1F1B's send-forward/receive-backward) from deadlocking on NCCL.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        _wait(work, timeout, f"p2p exchange with ranks {sorted({p for _, p in sends + recvs})}")
+
+
+def all_reduce_(tensors: list[torch.Tensor], group, timeout: timedelta, average: bool = False) -> None:
+    """Sum (or average) tensors in place over `group`, as one flat buffer."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, "gradient all-reduce")
+    if average:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def _wait(work, timeout: timedelta, what: str) -> None:
+    try:
+        ok = work.wait(timeout)
+    except RuntimeError as e:
+        raise CollectiveTimeout(f"{what} failed or timed out after {timeout.total_seconds():.0f}s: {e}") from e
+    if ok is False:
+        raise CollectiveTimeout(f"{what} timed out after {timeout.total_seconds():.0f}s")

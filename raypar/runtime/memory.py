@@ -1,0 +1,71 @@
+"""Live activation bytes of one stage, measured on CPU and GPU alike.
+
+Counts the storages autograd saves for backward during each micro-batch's forward
+(caught with saved-tensor hooks; parameters excluded) plus the tensors the runtime
+itself holds for a micro-batch (received inputs, outputs, received gradients, inputs
+kept by activation recompute). Each storage counts once (keyed by its StorageImpl, which
+stays put when the data is freed, unlike its data pointer), at its current size, so an
+output whose data was released counts zero from then on.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+class ActivationTracker:
+    def __init__(self, params: list[torch.Tensor]):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self._saved: dict[int, dict[int, torch.UntypedStorage]] = {}
+        self._held: dict[int, dict[int, torch.UntypedStorage]] = {}
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes()
+
+    @contextmanager
+    def recording(self, mb: int) -> Iterator[None]:
+        """Attribute what autograd saves inside this block to micro-batch `mb`."""
+        saved = self._saved.setdefault(mb, {})
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in self._param_ptrs:
+                saved.setdefault(storage._cdata, storage)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def hold(self, mb: int, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr():
+            self._held.setdefault(mb, {}).setdefault(storage._cdata, storage)
+
+    def backward_done(self, mb: int) -> None:
+        """Autograd frees what it saved for `mb` once its backward has run."""
+        self._saved.pop(mb, None)
+
+    def drop(self, mb: int) -> None:
+        self._held.pop(mb, None)
+
+    def clear(self) -> None:
+        self._saved.clear()
+        self._held.clear()
+
+    def live_microbatches(self) -> int:
+        return len(self._saved)
+
+    def live_bytes(self) -> int:
+        seen: dict[int, torch.UntypedStorage] = {}
+        for table in (self._saved, self._held):
+            for storages in table.values():
+                seen.update(storages)
+        return sum(s.nbytes() for s in seen.values())
+
+    def sample(self) -> int:
+        live = self.live_bytes()
+        self.peak_bytes = max(self.peak_bytes, live)
+        return live

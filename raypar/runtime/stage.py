@@ -1,0 +1,245 @@
+"""Executes one stage's program: the per-actor half of the pipeline scheduler.
+
+A program is a list of schedule actions (raypar.schedule). The runtime keeps, per
+micro-batch, the received input, the stage output and the received output gradient,
+and releases them as the program says: an output's data once it has been sent (its
+autograd node stays, backward only needs the gradient), an input once its gradient has
+been sent. Nothing here knows about Ray: a stage worker actor wraps it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from raypar.config import Config
+from raypar.data import TokenDataset
+from raypar.model import build_stage
+from raypar.optim import MasterOptimizer
+from raypar.runtime.clock import StepClock
+from raypar.runtime.comm import all_reduce_, exchange
+from raypar.runtime.groups import StageGroups
+from raypar.runtime.memory import ActivationTracker
+from raypar.schedule import Action, Op, comm_groups
+from raypar.topology import Grid
+
+COMPUTE_OPS = (Op.F, Op.B)
+
+
+@dataclass
+class StepReport:
+    rank: int
+    stage: int
+    step: int
+    losses: list[float]  # per micro-batch, last stage only
+    events: list[tuple[str, float, float]]  # (action, start, end) in wall-clock seconds
+    compute_s: float  # time in F and B
+    start: float  # program start (wall clock)
+    end_of_backward: float  # end of the last B (wall clock)
+    wall_s: float  # whole run_step, optimizer included
+    peak_activation_bytes: int
+    peak_device_bytes: int
+    peak_live_microbatches: int  # micro-batches whose forward ran and whose backward has not
+    released_outputs: int
+    grad_norm: float
+    lr: float
+    grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+
+def _releasable(t: torch.Tensor) -> bool:
+    # Freeing the data is safe only if nothing reads it in backward: not a view of a
+    # larger buffer, and not the saved result of the op that produced it (exp, tanh, ...).
+    return t._base is None and t.grad_fn is not None and not hasattr(t.grad_fn, "_saved_result")
+
+
+class StageRuntime:
+    def __init__(self, cfg: Config, grid: Grid, rank: int, groups: StageGroups,
+                 device: torch.device, dataset: TokenDataset | None):
+        self.cfg = cfg
+        self.grid = grid
+        self.rank = rank
+        self.coord = grid.coord(rank)
+        self.stage = self.coord.pp
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == grid.pp - 1
+        self.groups = groups
+        self.device = device
+        self.dataset = dataset
+        self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
+
+        self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
+                                 seed=cfg.train.seed, device=device)
+        self.model.train()
+        self.recompute = cfg.runtime.recompute
+        self.model.recompute = self.recompute == "block"
+        self.model.on_block_input = lambda t: self.tracker.hold(self._mb, t)
+        self.optimizer = MasterOptimizer(self.model, cfg.train)
+        self.tracker = ActivationTracker(list(self.model.parameters()))
+        self.act_dtype = next(self.model.parameters()).dtype
+        self.clock = StepClock(device)
+        self._mb = -1
+
+    # -- one step --------------------------------------------------------------------
+
+    def run_step(self, step: int, program: list[Action], sample_ids: list[int],
+                 capture_grads: bool = False) -> StepReport:
+        t_start = time.time()
+        n_mb = sum(1 for a in program if a.op == Op.F)
+        if len(sample_ids) % n_mb:
+            raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
+        # Shapes follow the step's program, so one worker group can run any schedule and count.
+        self.act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
+        tokens, labels = self._load(sample_ids, n_mb)
+        release = self.cfg.runtime.release
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        grad_out: dict[int, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        marks: list[tuple[str, object, object]] = []
+        released = 0
+        grad_norm, lr, grads = 0.0, 0.0, None
+        last_backward = None
+        peak_live = 0
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.clear()
+        self.tracker.reset_peak()
+        self.clock.start()
+        for unit in comm_groups(program):
+            head = unit[0]
+            begin = self.clock.mark()
+            if head.is_comm:
+                self._exchange(unit, inputs, outputs, grad_out)
+            elif head.op == Op.F:
+                outputs[head.mb] = self._forward(head.mb, tokens, labels, inputs, n_mb, losses)
+            elif head.op == Op.B:
+                self._backward(head.mb, inputs, outputs, grad_out)
+                if release:
+                    grad_out.pop(head.mb, None)
+                    if self.is_first:
+                        self._forget(head.mb, inputs, outputs)
+            elif head.op == Op.RELEASE_OUT:
+                out = outputs[head.mb]
+                if _releasable(out):
+                    out.untyped_storage().resize_(0)
+                    released += 1
+            elif head.op == Op.RELEASE_IN:
+                self._forget(head.mb, inputs, outputs)
+            elif head.op == Op.REDUCE_GRAD:
+                grad_norm, grads = self._reduce_grads(capture_grads)
+            elif head.op == Op.STEP:
+                lr = self.optimizer.step(step, grad_norm)
+            else:
+                raise ValueError(f"stage {self.stage}: cannot execute {head}")
+            end = self.clock.mark()
+            label = " ".join(str(a) for a in unit)
+            marks.append((label, begin, end))
+            if head.op == Op.B:
+                last_backward = end
+            self.tracker.sample()
+            peak_live = max(peak_live, self.tracker.live_microbatches())
+
+        self.clock.finish()
+        events = [(label, self.clock.seconds(b), self.clock.seconds(e)) for label, b, e in marks]
+        compute = sum(e - b for label, b, e in events if label[0] in "FB")
+        loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
+        peak_act = self.tracker.peak_bytes
+        self.tracker.clear()
+        inputs.clear(), outputs.clear(), grad_out.clear()
+        return StepReport(
+            rank=self.rank, stage=self.stage, step=step, losses=loss_values, events=events,
+            compute_s=compute,
+            start=events[0][1] if events else t_start,
+            end_of_backward=self.clock.seconds(last_backward) if last_backward is not None else t_start,
+            wall_s=time.time() - t_start,
+            peak_activation_bytes=peak_act,
+            peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            peak_live_microbatches=peak_live, released_outputs=released, grad_norm=grad_norm, lr=lr, grads=grads,
+        )
+
+    # -- actions -----------------------------------------------------------------------
+
+    def _load(self, sample_ids: list[int], n_mb: int):
+        if not (self.is_first or self.is_last):
+            return None, None
+        x, y = self.dataset.get(sample_ids)
+        x = x.to(self.device, non_blocking=True).chunk(n_mb)
+        y = y.to(self.device, non_blocking=True).chunk(n_mb)
+        return x, y
+
+    def _forward(self, mb: int, tokens, labels, inputs, n_mb: int, losses: list) -> torch.Tensor:
+        self._mb = mb
+        if self.is_first:
+            x = tokens[mb]
+            inputs[mb] = x
+        else:
+            x = inputs[mb]
+        target = labels[mb] if self.is_last else None
+        with self.tracker.recording(mb):
+            if self.recompute == "stage":
+                self.tracker.hold(mb, x)
+                out = checkpoint(self.model, x, target, use_reentrant=False)
+            else:
+                out = self.model(x, target)
+        if self.is_last:
+            losses.append(out.detach())
+            # The step's loss is the mean over micro-batches: scale each one's gradient.
+            out = out / n_mb
+        self.tracker.hold(mb, out)
+        return out
+
+    def _backward(self, mb: int, inputs, outputs, grad_out) -> None:
+        out = outputs[mb]
+        if self.is_last:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, grad_out[mb])
+        self.tracker.backward_done(mb)
+
+    def _exchange(self, unit: tuple[Action, ...], inputs, outputs, grad_out) -> None:
+        sends, recvs = [], []
+        for a in unit:
+            if a.op == Op.SEND_F:
+                sends.append((outputs[a.mb], self.groups.next_rank))
+            elif a.op == Op.SEND_B:
+                sends.append((inputs[a.mb].grad, self.groups.prev_rank))
+            elif a.op == Op.RECV_F:
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                inputs[a.mb] = buf
+                recvs.append((buf, self.groups.prev_rank))
+            elif a.op == Op.RECV_B:
+                out = outputs[a.mb]
+                buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+                grad_out[a.mb] = buf
+                recvs.append((buf, self.groups.next_rank))
+        exchange(sends, recvs, self.timeout)
+        for a in unit:
+            if a.op == Op.RECV_F:
+                inputs[a.mb].requires_grad_(True)
+                self.tracker.hold(a.mb, inputs[a.mb])
+            elif a.op == Op.RECV_B:
+                self.tracker.hold(a.mb, grad_out[a.mb])
+
+    def _forget(self, mb: int, inputs, outputs) -> None:
+        inputs.pop(mb, None)
+        outputs.pop(mb, None)
+        self.tracker.drop(mb)
+
+    def _reduce_grads(self, capture: bool):
+        grads = self.optimizer.grads()
+        all_reduce_(grads, self.groups.dense_grad, self.timeout, average=True)
+        sq = self.optimizer.local_sq_norm().to(self.device)
+        all_reduce_([sq], self.groups.pipeline, self.timeout)
+        captured = None
+        if capture:
+            captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
+        return float(sq.sqrt()), captured
+
+    # -- state ---------------------------------------------------------------------------
+
+    def parameters_cpu(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}

@@ -1,0 +1,228 @@
+"""The driver: `Trainer(config).fit()` plans the grid, starts the stage workers, steps them.
+
+The driver makes one Ray call per worker per step (DESIGN.md: an awaited actor call
+costs ~1 ms, so per-micro-batch calls would dominate small steps); tensors never pass
+through it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Callable
+
+from raypar.config import Config
+from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
+from raypar.schedule import build_programs
+from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
+from raypar.topology import Grid
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    bubble_measured: float
+    bubble_simulated: float
+    control_overhead: float  # share of the step the driver spent outside the workers
+    consumed_samples: int
+    peak_activation_bytes: list[int]  # per stage (max over replicas)
+    peak_device_bytes: list[int]
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    grid: str
+    schedule: str
+    microbatches: int
+    device: str
+    final_loss: float
+    tokens_per_s: float
+    step_time_s: float
+    bubble_measured: float
+    bubble_simulated: float
+    control_overhead: float
+    peak_activation_bytes: list[int]
+    peak_device_bytes: list[int]
+    consumed_samples: int
+    records: list[StepRecord] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("records")
+        return d
+
+    def format(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        lines = [
+            f"steps               {self.steps}  (grid {self.grid}, {self.schedule}, {self.microbatches} micro-batches, {self.device})",
+            f"final loss          {self.final_loss:.4f}",
+            f"tokens/s            {self.tokens_per_s:,.0f}",
+            f"step time           {self.step_time_s * 1000:.1f} ms",
+            f"bubble              measured {self.bubble_measured:.3f}  simulated {self.bubble_simulated:.3f}",
+            f"control overhead    {self.control_overhead * 100:.2f}% of the step",
+            "peak activations    " + "  ".join(f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
+        ]
+        if any(self.peak_device_bytes):
+            lines.append("peak device memory  " + "  ".join(
+                f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_device_bytes)))
+        return "\n".join(lines)
+
+
+StepCallback = Callable[[StepRecord], None]
+
+
+class Trainer:
+    """Runs one training job on a Ray cluster (an existing one, or a local one it starts)."""
+
+    def __init__(self, cfg: Config, on_step_end: list[StepCallback] | None = None, log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
+        self.on_step_end = list(on_step_end or [])
+        self.log = log or (lambda s: print(s, flush=True))
+        self.run_dir = Path(cfg.runtime.run_dir).resolve()
+        self.group = None
+        self.programs = build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
+                                       release=cfg.runtime.release)
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def prepare_data(self) -> TokenDataset:
+        """The configured token file, or a synthetic corpus generated into the run dir."""
+        d = self.cfg.data
+        if d.path is None:
+            path = self.run_dir / "data" / f"synthetic-v{self.cfg.model.vocab_size}-t{d.seq_len}-n{d.synthetic_samples}-s{self.cfg.train.seed}.parquet"
+            if not path.exists():
+                write_synthetic_corpus(path, d.synthetic_samples, d.seq_len, self.cfg.model.vocab_size, seed=self.cfg.train.seed)
+        else:
+            path = Path(d.path).expanduser().resolve()
+        dataset = TokenDataset(path, d.seq_len)
+        dataset.check_vocab(self.cfg.model.vocab_size)
+        if len(dataset) < self.cfg.train.global_batch_size:
+            raise DataError(
+                f"{path} holds {len(dataset)} samples, fewer than one global batch "
+                f"(train.global_batch_size={self.cfg.train.global_batch_size})"
+            )
+        return dataset
+
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = self.cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=self.cfg.runtime.num_cpus, include_dashboard=False)
+
+    def start(self, dataset: TokenDataset) -> None:
+        import ray
+
+        from raypar.actors.worker_group import WorkerGroup
+        from raypar.resources import plan_resources
+
+        self._connect()
+        resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
+        self.device = resources.device
+        self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
+                 f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
+        self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> RunSummary:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dataset = self.prepare_data()
+        order = SampleOrder(len(dataset), self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+        self.start(dataset)
+        records: list[StepRecord] = []
+        consumed = 0
+        try:
+            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            with open(self.run_dir / "metrics.jsonl", "w") as metrics:
+                for step in range(self.cfg.train.steps):
+                    record = self.train_step(step, order, consumed)
+                    consumed = record.consumed_samples
+                    records.append(record)
+                    metrics.write(json.dumps(asdict(record)) + "\n")
+                    metrics.flush()
+                    if step % self.cfg.runtime.log_every == 0 or step == self.cfg.train.steps - 1:
+                        self.log(self._progress(record))
+                    for callback in self.on_step_end:
+                        callback(record)
+        finally:
+            self.shutdown()
+        summary = self._summarise(records, consumed)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+        return summary
+
+    def train_step(self, step: int, order: SampleOrder, consumed: int) -> StepRecord:
+        cfg, grid = self.cfg, self.grid
+        t0 = time.perf_counter()
+        batch = order.indices(consumed, cfg.train.global_batch_size)
+        programs, ids = [], []
+        for c in grid.coords():
+            programs.append(self.programs[c.pp])
+            ids.append(split_batch(batch, grid.dp, c.dp))
+        reports = self.group.run_step(step, programs, ids)
+        step_time = time.perf_counter() - t0
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len
+        worker_time = max(r.wall_s for r in reports)
+        by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731
+        return StepRecord(
+            step=step,
+            loss=step_loss(reports),
+            lr=reports[0].lr,
+            grad_norm=reports[0].grad_norm,
+            step_time_s=step_time,
+            tokens_per_s=tokens / step_time,
+            bubble_measured=measured_bubble(reports, grid),
+            bubble_simulated=simulated_bubble(self.programs, pipelines(reports, grid)[0]),
+            control_overhead=max(0.0, step_time - worker_time) / step_time,
+            consumed_samples=consumed + cfg.train.global_batch_size,
+            peak_activation_bytes=by_stage("peak_activation_bytes"),
+            peak_device_bytes=by_stage("peak_device_bytes"),
+        )
+
+    def _progress(self, r: StepRecord) -> str:
+        return (f"step {r.step + 1}/{self.cfg.train.steps}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
+                f"grad_norm {r.grad_norm:.3f}  {r.tokens_per_s:,.0f} tokens/s  {r.step_time_s * 1000:.0f} ms")
+
+    def _summarise(self, records: list[StepRecord], consumed: int) -> RunSummary:
+        # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
+        steady = records[1:] if len(records) > 1 else records
+        avg = lambda attr: fmean(getattr(r, attr) for r in steady) if steady else 0.0  # noqa: E731
+        step_time = avg("step_time_s")
+        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        stages = range(self.grid.pp)
+        return RunSummary(
+            steps=len(records),
+            grid=str(self.grid),
+            schedule=self.cfg.parallel.schedule,
+            microbatches=self.cfg.parallel.microbatches,
+            device=getattr(self, "device", "?"),
+            final_loss=records[-1].loss if records else float("nan"),
+            tokens_per_s=tokens / step_time if step_time else 0.0,
+            step_time_s=step_time,
+            bubble_measured=avg("bubble_measured"),
+            bubble_simulated=avg("bubble_simulated"),
+            control_overhead=avg("control_overhead"),
+            peak_activation_bytes=[max((r.peak_activation_bytes[s] for r in records), default=0) for s in stages],
+            peak_device_bytes=[max((r.peak_device_bytes[s] for r in records), default=0) for s in stages],
+            consumed_samples=consumed,
+            records=records,
+        )

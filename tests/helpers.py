@@ -1,0 +1,59 @@
+"""Tiny configs and a harness that steps a worker group next to the single-process reference."""
+from __future__ import annotations
+
+import torch
+
+from raypar.config import Config, config_from_dict
+from raypar.data import SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
+from raypar.reference import ReferenceTrainer
+from raypar.resources import WorkerResources
+from raypar.schedule import build_programs
+from raypar.stats import step_loss
+from raypar.topology import Grid
+
+from conftest import WORKER_CPUS
+
+
+def tiny_config(tmp_path, **sections) -> Config:
+    raw = {
+        "model": {"vocab_size": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 16},
+        "parallel": {"pp": 2, "microbatches": 4},
+        "train": {"steps": 6, "global_batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
+        "data": {"seq_len": 8, "synthetic_samples": 256},
+        "runtime": {"run_dir": str(tmp_path / "run"), "device": "cpu", "cpus_per_worker": WORKER_CPUS,
+                    "collective_timeout_s": 60.0, "step_timeout_s": 120.0},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw)
+
+
+def synthetic_data(tmp_path, cfg: Config) -> TokenDataset:
+    path = write_synthetic_corpus(tmp_path / "data.parquet", cfg.data.synthetic_samples, cfg.data.seq_len,
+                                  cfg.model.vocab_size, seed=1)
+    return TokenDataset(path, cfg.data.seq_len)
+
+
+def start_group(cfg: Config, dataset: TokenDataset):
+    from raypar.actors.worker_group import WorkerGroup
+
+    grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
+    return WorkerGroup(cfg, grid, WorkerResources("cpu", cfg.runtime.cpus_per_worker, 0), str(dataset.path))
+
+
+def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: SampleOrder, step: int,
+              schedule: str, microbatches: int, release: bool = True):
+    """One step on the workers and on the reference, same samples. Returns both sides."""
+    cfg, grid = group.cfg, group.grid
+    batch = order.indices(step * cfg.train.global_batch_size, cfg.train.global_batch_size)
+    programs = build_programs(schedule, grid.pp, microbatches, release=release)
+    coords = grid.coords()
+    reports = group.run_step(step, [programs[c.pp] for c in coords],
+                             [split_batch(batch, grid.dp, c.dp) for c in coords], capture_grads=True)
+    grads: dict[str, torch.Tensor] = {}
+    for r in reports:
+        for name, g in r.grads.items():
+            grads.setdefault(name, g)
+    tokens, labels = dataset.get(batch)
+    ref_loss, ref_grads = ref.step(step, tokens, labels)
+    return step_loss(reports), grads, ref_loss, ref_grads, reports

@@ -1,0 +1,85 @@
+"""Bad input fails at once with a message that names the problem and what would work."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from raypar.config import ConfigError, load_config
+from raypar.data import DataError
+from raypar.resources import ResourceError, plan_resources
+from raypar.topology import Grid
+from raypar.trainer import Trainer
+
+from helpers import tiny_config
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ConfigError, match=r"parallel.pp=5 stages but the model has only model.n_layers=4.*pp <= 4"):
+        load_config(None, ["model.n_layers=4", "parallel.pp=5"])
+
+
+def test_microbatches_must_divide_the_batch():
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible.*microbatches could be one of \[1, 2, 5, 10\]"):
+        load_config(None, ["train.global_batch_size=10", "parallel.microbatches=4"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.ppp=2", r"unknown config key 'parallel.ppp'; valid keys at parallel: "),
+    ("parallel.schedule=zb", r"parallel.schedule='zb' is not allowed; choose one of fthenb, 1f1b"),
+    ("train.steps=many", r"train.steps must be an integer"),
+    ("parallel.layers_per_stage=[3,2]", r"parallel.layers_per_stage has 2 entries but parallel.pp=1"),
+    ("model.n_heads=3", r"model.dim=64 is not divisible by model.n_heads=3"),
+    ("nosuch.key=1", r"unknown config key 'nosuch'"),
+])
+def test_config_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_explicit_split_must_cover_the_layers():
+    with pytest.raises(ConfigError, match=r"layers_per_stage=\[3, 2\] sums to 5 but model.n_layers=4"):
+        load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[3,2]"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cluster_without_the_gpus_or_cpus_the_grid_needs(tmp_path):
+    cfg = tiny_config(tmp_path, parallel={"pp": 4}, runtime={"device": "cuda", "cpus_per_worker": 1.0})
+    with pytest.raises(ResourceError, match=r"needs 4 GPUs .* cluster has 0"):
+        plan_resources(cfg, Grid(1, 4, 1), {"CPU": 8.0})
+    cfg = tiny_config(tmp_path, parallel={"pp": 4}, runtime={"device": "auto", "cpus_per_worker": 1.0})
+    with pytest.raises(ResourceError, match=r"needs 4 workers x runtime.cpus_per_worker=1.0 = 4 CPUs but the cluster has 2; set runtime.cpus_per_worker<=0.5"):
+        plan_resources(cfg, Grid(1, 4, 1), {"CPU": 2.0})
+    assert plan_resources(cfg, Grid(1, 4, 1), {"CPU": 4.0, "GPU": 4.0}).device == "cuda"
+
+
+@pytest.mark.timeout(60)
+def test_trainer_fails_fast_on_a_cluster_too_small(ray_session, tmp_path):
+    cfg = tiny_config(tmp_path, parallel={"pp": 4}, runtime={"cpus_per_worker": 4.0})
+    start = time.monotonic()
+    with pytest.raises(ResourceError, match="CPUs but the cluster has 8"):
+        Trainer(cfg).fit()
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
+def test_missing_data_file(tmp_path):
+    cfg = tiny_config(tmp_path, data={"path": str(tmp_path / "missing.parquet")})
+    with pytest.raises(DataError, match=r"data file not found: .*missing.parquet"):
+        Trainer(cfg).fit()
+
+
+@pytest.mark.timeout(60)
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "raypar.train", "model.n_layers=2", "parallel.pp=3",
+         f"runtime.run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "raypar: error: parallel.pp=3 stages but the model has only model.n_layers=2" in out.stderr
+    assert "Traceback" not in out.stderr
