@@ -35,14 +35,19 @@ def synthetic_data(tmp_path, cfg: Config) -> TokenDataset:
 
 
 def start_group(cfg: Config, dataset: TokenDataset):
+    return start_group_on(cfg, dataset, "cpu")
+
+
+def start_group_on(cfg: Config, dataset: TokenDataset, device: str):
     from raypar.actors.worker_group import WorkerGroup
 
     grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
-    return WorkerGroup(cfg, grid, WorkerResources("cpu", cfg.runtime.cpus_per_worker, 0), str(dataset.path))
+    resources = WorkerResources(device, cfg.runtime.cpus_per_worker, 1 if device == "cuda" else 0)
+    return WorkerGroup(cfg, grid, resources, str(dataset.path))
 
 
 def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: SampleOrder, step: int,
-              schedule: str, microbatches: int, release: bool = True):
+              schedule: str, microbatches: int, release: bool = True, device: str = "cpu"):
     """One step on the workers and on the reference, same samples. Returns both sides."""
     cfg, grid = group.cfg, group.grid
     batch = order.indices(step * cfg.train.global_batch_size, cfg.train.global_batch_size)
@@ -55,5 +60,5 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
         for name, g in r.grads.items():
             grads.setdefault(name, g)
     tokens, labels = dataset.get(batch)
-    ref_loss, ref_grads = ref.step(step, tokens, labels)
+    ref_loss, ref_grads = ref.step(step, tokens.to(device), labels.to(device))
     return step_loss(reports), grads, ref_loss, ref_grads, reports
