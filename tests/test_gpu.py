@@ -18,7 +18,7 @@ def _need_gpus(n: int) -> None:
 
 def test_nccl_pipeline_matches_reference(ray_session, tmp_path):
     _need_gpus(2)
-    cfg = tiny_config(tmp_path, parallel={"pp": 2}, runtime={"device": "cuda"})
+    cfg = tiny_config(tmp_path, parallel={"pp": 2}, runtime={"device": "cuda", "collective_timeout_s": 30.0})
     dataset = synthetic_data(tmp_path, cfg)
     order = SampleOrder(len(dataset), seed=0)
     ref = ReferenceTrainer(cfg, device="cuda")
