@@ -16,7 +16,11 @@ from raypar.topology import Grid
 from .stage_worker import StageWorker
 
 # NVLink multicast (NVLS) hangs on the GPU machines this runs on; keep it off in workers.
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NCCL_RUNTIME_CONNECT=0 connects every p2p channel when the communicator is created:
+# connected lazily, forward-then-backward's run of sends hung in NCCL's connection
+# set-up between two actors (1F1B's paired exchanges did not).
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "NCCL_RUNTIME_CONNECT": "0"}
 
 
 class StepTimeout(RuntimeError):

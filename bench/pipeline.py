@@ -56,7 +56,11 @@ def environment() -> dict:
 
 def run_row(config: str, base: list[str], label: str, overrides: list[str], out: Path) -> dict:
     cfg = load_config(config, [*base, *overrides, f"runtime.run_dir={out / 'runs' / label.replace(', ', '_').replace(' ', '-')}"])
-    summary = Trainer(cfg, log=lambda s: print(f"  [{label}] {s}", flush=True)).fit()
+    try:
+        summary = Trainer(cfg, log=lambda s: print(f"  [{label}] {s}", flush=True)).fit()
+    except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others still run
+        print(f"  [{label}] FAILED: {e!r}"[:2000], flush=True)
+        return {"label": label, "overrides": overrides, "error": repr(e)[:500]}
     return {"label": label, "overrides": overrides, **summary.to_dict(),
             "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.seq_len}
 
@@ -67,6 +71,9 @@ def table(rows: list[dict]) -> str:
             "peak act. GiB (per stage) | peak GPU mem GiB (per stage) |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error'][:120]} | | | | | | |")
+            continue
         lines.append(
             f"| {r['label']} ({r['microbatches']} mb) | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
             f"{r['bubble_measured']:.3f} | {r['bubble_simulated']:.3f} | {r['control_overhead'] * 100:.2f}% | "
