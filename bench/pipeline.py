@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the first three rows")
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--only", default=None, help="run only rows whose label contains this text")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     base = list(TINY) if args.cpu else []
@@ -102,6 +103,8 @@ def main() -> None:
     print(f"environment: {json.dumps(env)}", flush=True)
     rows = []
     for label, overrides in ROWS[:3] if args.quick else ROWS:
+        if args.only and args.only not in label:
+            continue
         rows.append(run_row(args.config, base, label, overrides, args.out))
     (args.out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
     md = table(rows)
