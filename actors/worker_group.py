@@ -16,11 +16,13 @@ from raypar.topology import Grid
 from .stage_worker import StageWorker
 
 # NVLink multicast (NVLS) hangs on the GPU machines this runs on; keep it off in workers.
-# NCCL_RUNTIME_CONNECT=0 connects every p2p channel when the communicator is created:
-# connected lazily, forward-then-backward's run of sends hung in NCCL's connection
-# set-up between two actors (1F1B's paired exchanges did not).
+# CUDA_MODULE_LOADING=EAGER: with lazy loading, the first launch of a kernel waits for the
+# GPU's queue to drain while holding the context lock; a p2p kernel in that queue waiting
+# on the peer then never finishes, because NCCL's proxy thread needs the same lock. That
+# hung forward-then-backward at its first backward (the first new kernels launched while
+# receives were pending).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "NCCL_RUNTIME_CONNECT": "0"}
+           "CUDA_MODULE_LOADING": "EAGER"}
 
 
 class StepTimeout(RuntimeError):
