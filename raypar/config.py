@@ -94,6 +94,12 @@ class RuntimeConfig:
     collective_timeout_s: float = 120.0
     step_timeout_s: float = 600.0
     log_every: int = 1
+    # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
+    # Grafana); "standalone" serves them from the driver with prometheus_client; "off".
+    metrics: Literal["ray", "standalone", "off"] = "ray"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    run_name: str = "default"  # metric label that tells runs apart
 
 
 @dataclass

@@ -153,9 +153,10 @@ class Trainer:
         consumed = 0
         try:
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-            with open(self.run_dir / "metrics.jsonl", "w") as metrics:
+            with open(self.run_dir / "metrics.jsonl", "w") as metrics, \
+                    open(self.run_dir / "events.jsonl", "w") as events:
                 for step in range(self.cfg.train.steps):
-                    record = self.train_step(step, order, consumed)
+                    record = self.train_step(step, order, consumed, events)
                     consumed = record.consumed_samples
                     records.append(record)
                     metrics.write(json.dumps(asdict(record)) + "\n")
@@ -170,7 +171,7 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         return summary
 
-    def train_step(self, step: int, order: SampleOrder, consumed: int) -> StepRecord:
+    def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None) -> StepRecord:
         cfg, grid = self.cfg, self.grid
         t0 = time.perf_counter()
         batch = order.indices(consumed, cfg.train.global_batch_size)
@@ -180,6 +181,12 @@ class Trainer:
             ids.append(split_batch(batch, grid.dp, c.dp))
         reports = self.group.run_step(step, programs, ids)
         step_time = time.perf_counter() - t0
+        if events_out is not None:
+            # Each action's measured span, per worker: enough to redraw the step's timeline.
+            for r in reports:
+                c = grid.coord(r.rank)
+                events_out.write(json.dumps({"step": step, "rank": r.rank, "dp": c.dp, "pp": c.pp, "ep": c.ep,
+                                             "events": r.events}) + "\n")
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         worker_time = max(r.wall_s for r in reports)
         by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731
