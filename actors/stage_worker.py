@@ -60,6 +60,9 @@ class StageWorker:
                  capture_grads: bool = False) -> StepReport:
         return self.runtime.run_step(step, program, sample_ids, capture_grads)
 
+    def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        return self.runtime.load_parameters(tensors)
+
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 

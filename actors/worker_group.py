@@ -66,6 +66,11 @@ class WorkerGroup:
                 for r, w in enumerate(self.workers)]
         return self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
 
+    def load_parameters(self, tensors: dict) -> None:
+        """Overwrite parameters by global name on every worker that holds them."""
+        ref = ray.put(tensors)
+        ray.get([w.load_parameters.remote(ref) for w in self.workers])
+
     def parameters(self) -> dict:
         merged: dict = {}
         # Replicas hold equal copies; take each name from its first holder.

@@ -33,6 +33,18 @@ class ModelConfig:
     init_std: float = 0.02
     # Parameter dtype. bfloat16 keeps fp32 master weights and fp32 gradient accumulation.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Mixture of experts: 0 experts is a dense model. Layer i is MoE when
+    # (i + 1) % moe_every == 0 (every layer with 1, every second layer with 2).
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_dim: int | None = None  # None: the dense hidden_dim
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0: dropless; else per-sample capacity, extra tokens dropped
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.n_experts > 0 and (layer_id + 1) % self.moe_every == 0
 
     @property
     def kv_heads(self) -> int:
@@ -112,7 +124,8 @@ class Config:
 
     @property
     def microbatch_size(self) -> int:
-        return self.train.global_batch_size // (self.parallel.dp * self.parallel.microbatches)
+        p = self.parallel
+        return self.train.global_batch_size // (p.dp * p.ep * p.microbatches)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -263,8 +276,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    if p.ep != 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism needs MoE layers, which this version does not have; use parallel.ep=1")
+    if m.n_experts < 0 or m.moe_every < 1 or m.moe_capacity_factor < 0 or m.moe_aux_loss_coef < 0 or m.moe_z_loss_coef < 0:
+        raise ConfigError("model.n_experts, moe_aux_loss_coef, moe_z_loss_coef and moe_capacity_factor must be >= 0, moe_every >= 1")
+    if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.n_experts={m.n_experts}")
+    if p.ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits experts, but model.n_experts=0 (a dense model); set model.n_experts or use parallel.ep=1")
+    if m.n_experts and m.n_experts % p.ep:
+        fits = [k for k in _divisors(m.n_experts) if k <= p.ep]
+        raise ConfigError(
+            f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}; "
+            f"parallel.ep={fits[-1]} would work (the largest divisor of n_experts not above {p.ep})"
+        )
     if p.pp > m.n_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "
@@ -280,11 +303,14 @@ def validate(cfg: Config) -> None:
                 f"parallel.layers_per_stage={p.layers_per_stage} sums to {sum(p.layers_per_stage)} "
                 f"but model.n_layers={m.n_layers}"
             )
-    per_step = p.dp * p.microbatches
+    replicas = p.dp * p.ep  # every pipeline of the grid reads its own share of the batch
+    per_step = replicas * p.microbatches
     if t.global_batch_size % per_step:
-        fits = [k for k in _divisors(t.global_batch_size // p.dp) if t.global_batch_size % p.dp == 0]
-        hint = f"parallel.microbatches could be one of {fits}" if fits else f"train.global_batch_size must be a multiple of parallel.dp={p.dp}"
+        if t.global_batch_size % replicas == 0:
+            hint = f"parallel.microbatches could be one of {_divisors(t.global_batch_size // replicas)}"
+        else:
+            hint = f"train.global_batch_size must be a multiple of parallel.dp * parallel.ep = {replicas}"
         raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.dp * parallel.microbatches "
-            f"= {p.dp} * {p.microbatches} = {per_step}; {hint}"
+            f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.dp * parallel.ep * "
+            f"parallel.microbatches = {p.dp} * {p.ep} * {p.microbatches} = {per_step}; {hint}"
         )

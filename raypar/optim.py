@@ -23,6 +23,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def is_expert_param(name: str) -> bool:
+    """Expert weights are sharded over ep and replicated over dp only."""
+    return ".experts." in name
+
+
 def _decays(name: str, p: torch.Tensor) -> bool:
     # Matrices decay; norm gains do not (the usual AdamW recipe for transformers).
     return p.ndim >= 2
@@ -75,11 +80,30 @@ class MasterOptimizer:
     def named_grads(self) -> dict[str, torch.Tensor]:
         return {n: g for (n, _), g in zip(self.named_params, self.grads())}
 
-    def local_sq_norm(self) -> torch.Tensor:
-        grads = self.grads()
+    def split_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(dense, expert) gradients, for their different reduction groups."""
+        dense, expert = [], []
+        for (name, _), g in zip(self.named_params, self.grads()):
+            (expert if is_expert_param(name) else dense).append(g)
+        return dense, expert
+
+    def local_sq_norm(self, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        grads = self.grads() if grads is None else grads
         if not grads:
-            return torch.zeros((), dtype=torch.float32)
+            return torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
         return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+
+    def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Overwrite parameters (and their fp32 masters) by name; returns the names set."""
+        done = []
+        with torch.no_grad():
+            for (name, p), m in zip(self.named_params, self.master):
+                if name in tensors:
+                    m.copy_(tensors[name])
+                    if m is not p:
+                        p.copy_(m)
+                    done.append(name)
+        return done
 
     def step(self, step: int, total_norm: float) -> float:
         """Clip by the global norm, update with the step's learning rate, zero the grads."""

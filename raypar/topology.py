@@ -45,6 +45,22 @@ class Grid:
         """Ranks of one pipeline, stage 0 first: p2p neighbours and grad-norm group."""
         return [self.rank(Coord(dp, s, ep)) for s in range(self.pp)]
 
+    def ep_ranks(self, dp: int, pp: int) -> list[int]:
+        """The expert-parallel group of stage `pp` in replica `dp`: all-to-all of tokens."""
+        return [self.rank(Coord(dp, pp, e)) for e in range(self.ep)]
+
+    def replica_ranks(self, dp: int) -> list[int]:
+        """Every worker of data-parallel replica `dp`: together they hold the whole model once."""
+        return [self.rank(Coord(dp, s, e)) for s in range(self.pp) for e in range(self.ep)]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Pipelines that read distinct data: one per (dp, ep) pair."""
+        return self.dp * self.ep
+
+    def data_rank(self, c: Coord) -> int:
+        return c.dp * self.ep + c.ep
+
     def dense_grad_ranks(self, pp: int) -> list[int]:
         """Ranks holding the same dense parameters of stage `pp` (all-reduce over dp x ep)."""
         return [self.rank(Coord(d, pp, e)) for d in range(self.dp) for e in range(self.ep)]

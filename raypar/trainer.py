@@ -35,6 +35,9 @@ class StepRecord:
     consumed_samples: int
     peak_activation_bytes: list[int]  # per stage (max over replicas)
     peak_device_bytes: list[int]
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # per MoE layer, per expert
+    tokens_dropped: int = 0
+    alltoall_bytes: int = 0
 
 
 @dataclass
@@ -53,6 +56,9 @@ class RunSummary:
     peak_activation_bytes: list[int]
     peak_device_bytes: list[int]
     consumed_samples: int
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # summed over steps
+    tokens_dropped: int = 0
+    alltoall_bytes_per_step: float = 0.0
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -71,6 +77,13 @@ class RunSummary:
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
             "peak activations    " + "  ".join(f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
         ]
+        if self.expert_tokens:
+            for layer, counts in self.expert_tokens.items():
+                total = sum(counts) or 1
+                share = " ".join(f"{c / total:.2f}" for c in counts)
+                lines.append(f"experts, layer {layer:<5} token share {share}  (max/mean {max(counts) * len(counts) / total:.2f})")
+            lines.append(f"tokens dropped      {self.tokens_dropped}")
+            lines.append(f"all-to-all          {self.alltoall_bytes_per_step / 2**20:.2f} MiB per step")
         if any(self.peak_device_bytes):
             lines.append("peak device memory  " + "  ".join(
                 f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_device_bytes)))
@@ -178,7 +191,7 @@ class Trainer:
         programs, ids = [], []
         for c in grid.coords():
             programs.append(self.programs[c.pp])
-            ids.append(split_batch(batch, grid.dp, c.dp))
+            ids.append(split_batch(batch, grid.data_parallel_size, grid.data_rank(c)))
         reports = self.group.run_step(step, programs, ids)
         step_time = time.perf_counter() - t0
         if events_out is not None:
@@ -203,6 +216,9 @@ class Trainer:
             consumed_samples=consumed + cfg.train.global_batch_size,
             peak_activation_bytes=by_stage("peak_activation_bytes"),
             peak_device_bytes=by_stage("peak_device_bytes"),
+            expert_tokens=_sum_expert_tokens(r.expert_tokens for r in reports),
+            tokens_dropped=sum(r.tokens_dropped for r in reports),
+            alltoall_bytes=sum(r.alltoall_bytes for r in reports),
         )
 
     def _progress(self, r: StepRecord) -> str:
@@ -231,5 +247,18 @@ class Trainer:
             peak_activation_bytes=[max((r.peak_activation_bytes[s] for r in records), default=0) for s in stages],
             peak_device_bytes=[max((r.peak_device_bytes[s] for r in records), default=0) for s in stages],
             consumed_samples=consumed,
+            expert_tokens=_sum_expert_tokens(r.expert_tokens for r in records),
+            tokens_dropped=sum(r.tokens_dropped for r in records),
+            alltoall_bytes_per_step=avg("alltoall_bytes"),
             records=records,
         )
+
+
+def _sum_expert_tokens(tables) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for table in tables:
+        for layer, counts in table.items():
+            acc = total.setdefault(layer, [0] * len(counts))
+            for i, c in enumerate(counts):
+                acc[i] += c
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))

@@ -54,7 +54,8 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
     programs = build_programs(schedule, grid.pp, microbatches, release=release)
     coords = grid.coords()
     reports = group.run_step(step, [programs[c.pp] for c in coords],
-                             [split_batch(batch, grid.dp, c.dp) for c in coords], capture_grads=True)
+                             [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in coords],
+                             capture_grads=True)
     grads: dict[str, torch.Tensor] = {}
     for r in reports:
         for name, g in r.grads.items():

@@ -68,11 +68,13 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] |
     return ranges
 
 
-def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None) -> Transformer:
+def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None,
+                  ep_rank: int = 0, ep_size: int = 1) -> Transformer:
     ranges = split_layers(cfg.n_layers, n_stages, layers_per_stage)
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
-    return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1)
+    return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
+                       ep_rank=ep_rank, ep_size=ep_size)
 
 
 def build_stage(
@@ -82,6 +84,8 @@ def build_stage(
     layers_per_stage: Sequence[int] | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> Transformer:
     """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
 
@@ -90,7 +94,7 @@ def build_stage(
     directly on `device` (default: CPU), and never filled with a throwaway default init.
     """
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
     model.to_empty(device=device if device is not None else "cpu")
     model.reset_buffers()
     init_weights(model, cfg, seed)

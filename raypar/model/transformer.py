@@ -126,7 +126,7 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
+def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
     """The MLP of layer `layer_id`.
 
     This is the seam for mixture-of-experts: a MoE layer (for chosen layer ids, e.g. every
@@ -134,18 +134,22 @@ def build_mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
     rest of the model, partitioning and initialisation stay unchanged. Its module must map
     [b, t, dim] -> [b, t, dim]; any auxiliary loss needs its own channel out of the block.
     """
+    if cfg.is_moe_layer(layer_id):
+        from raypar.model.moe import MoE
+
+        return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
     return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
 
 
 class Block(nn.Module):
-    def __init__(self, layer_id: int, cfg: ModelConfig) -> None:
+    def __init__(self, layer_id: int, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = build_mlp(cfg, layer_id)
+        self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h = x + self.attn(self.attn_norm(x), cos, sin)
@@ -173,6 +177,8 @@ class Transformer(nn.Module):
         layer_ids: Sequence[int] | None = None,
         has_embed: bool = True,
         has_head: bool = True,
+        ep_rank: int = 0,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
@@ -191,7 +197,7 @@ class Transformer(nn.Module):
 
         if has_embed:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg) for i in ids})
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size) for i in ids})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
@@ -287,13 +293,16 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
-    6 * matmul parameters (attention and MLP projections of every layer plus the head; the
-    embedding is a lookup) + 12 * n_layers * dim * seq_len for attention scores and values.
+    6 * matmul parameters a token passes through (attention and MLP projections of every
+    layer, for MoE layers the router and top_k experts, plus the head; the embedding is a
+    lookup) + 12 * n_layers * dim * seq_len for attention scores and values.
     """
     hd = cfg.dim // cfg.n_heads
     attn = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.kv_heads * hd
-    mlp = 3 * cfg.dim * cfg.hidden_dim
-    matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+    dense_mlp = 3 * cfg.dim * cfg.hidden_dim
+    moe_mlp = cfg.dim * cfg.n_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim)
+    mlp = sum(moe_mlp if cfg.is_moe_layer(i) else dense_mlp for i in range(cfg.n_layers))
+    matmul_params = cfg.n_layers * attn + mlp + cfg.dim * cfg.vocab_size
     return float(6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len)
 
 

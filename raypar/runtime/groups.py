@@ -11,8 +11,10 @@ from raypar.topology import Grid
 
 @dataclass
 class StageGroups:
-    pipeline: object | None  # this pipeline's stages: global gradient norm
-    dense_grad: object | None  # replicas of this stage's dense parameters: gradient all-reduce
+    replica: object | None  # every stage and expert group of this dp replica: global grad norm
+    dense_grad: object | None  # replicas of this stage's dense parameters (dp x ep): all-reduce
+    expert_grad: object | None  # replicas of this stage's experts (dp): all-reduce
+    ep: object | None  # this stage's expert-parallel group: token all-to-all
     prev_rank: int | None  # global rank of the previous stage (p2p)
     next_rank: int | None
 
@@ -31,22 +33,24 @@ def init_world(backend: str, master_addr: str, master_port: int, rank: int, worl
 def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
     """new_group is collective over the whole world, so every rank walks every group."""
     me = grid.coord(rank)
-    pipeline = dense = None
-    for d in range(grid.dp):
-        for e in range(grid.ep):
-            ranks = grid.pipeline_ranks(d, e)
+    mine: dict[str, object | None] = {}
+
+    def walk(kind: str, members: list[list[int]]) -> None:
+        for ranks in members:
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
-                pipeline = g
-    for s in range(grid.pp):
-        ranks = grid.dense_grad_ranks(s)
-        g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-        if rank in ranks:
-            dense = g
+                mine[kind] = g
+
+    walk("replica", [grid.replica_ranks(d) for d in range(grid.dp)])
+    walk("dense_grad", [grid.dense_grad_ranks(s) for s in range(grid.pp)])
+    walk("expert_grad", [grid.expert_grad_ranks(s, e) for s in range(grid.pp) for e in range(grid.ep)])
+    walk("ep", [grid.ep_ranks(d, s) for d in range(grid.dp) for s in range(grid.pp)])
     line = grid.pipeline_ranks(me.dp, me.ep)
     return StageGroups(
-        pipeline=pipeline,
-        dense_grad=dense,
+        replica=mine.get("replica"),
+        dense_grad=mine.get("dense_grad"),
+        expert_grad=mine.get("expert_grad"),
+        ep=mine.get("ep"),
         prev_rank=line[me.pp - 1] if me.pp > 0 else None,
         next_rank=line[me.pp + 1] if me.pp < grid.pp - 1 else None,
     )

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from raypar.config import Config
 from raypar.data import TokenDataset
 from raypar.model import build_stage
+from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import all_reduce_, exchange
@@ -44,6 +45,9 @@ class StepReport:
     peak_device_bytes: int
     peak_live_microbatches: int  # micro-batches whose forward ran and whose backward has not
     released_outputs: int
+    expert_tokens: dict[str, list[int]]  # per MoE layer: this rank's token assignments per expert
+    tokens_dropped: int  # assignments over capacity, summed over MoE layers
+    alltoall_bytes: int  # sent to other ranks of the ep group, forward and backward
     grad_norm: float
     lr: float
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -71,7 +75,10 @@ class StageRuntime:
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
 
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
-                                 seed=cfg.train.seed, device=device)
+                                 seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep)
+        self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
+        for moe in self.moe_layers.values():
+            moe.ep_group = groups.ep
         self.model.train()
         self.recompute = cfg.runtime.recompute
         self.model.recompute = self.recompute == "block"
@@ -108,6 +115,10 @@ class StageRuntime:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.tracker.clear()
         self.tracker.reset_peak()
+        for moe in self.moe_layers.values():
+            moe.stats.reset()
+            # The step loss is the mean of the micro-batch losses: aux losses scale alike.
+            moe.aux_scale = 1.0 / n_mb
         self.clock.start()
         for unit in comm_groups(program):
             head = unit[0]
@@ -148,6 +159,10 @@ class StageRuntime:
         compute = sum(e - b for label, b, e in events if label[0] in "FB")
         loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
         peak_act = self.tracker.peak_bytes
+        expert_tokens = {layer: m.stats.routed.cpu().tolist() for layer, m in self.moe_layers.items()
+                         if m.stats.routed is not None}
+        dropped = sum(int(m.stats.dropped) for m in self.moe_layers.values() if m.stats.dropped is not None)
+        a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
         self.tracker.clear()
         inputs.clear(), outputs.clear(), grad_out.clear()
         return StepReport(
@@ -158,7 +173,8 @@ class StageRuntime:
             wall_s=time.time() - t_start,
             peak_activation_bytes=peak_act,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
-            peak_live_microbatches=peak_live, released_outputs=released, grad_norm=grad_norm, lr=lr, grads=grads,
+            peak_live_microbatches=peak_live, released_outputs=released,
+            expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, grad_norm=grad_norm, lr=lr, grads=grads,
         )
 
     # -- actions -----------------------------------------------------------------------
@@ -230,16 +246,27 @@ class StageRuntime:
         self.tracker.drop(mb)
 
     def _reduce_grads(self, capture: bool):
-        grads = self.optimizer.grads()
-        all_reduce_(grads, self.groups.dense_grad, self.timeout, average=True)
-        sq = self.optimizer.local_sq_norm().to(self.device)
-        all_reduce_([sq], self.groups.pipeline, self.timeout)
+        dense, expert = self.optimizer.split_grads()
+        # Each pipeline's loss is the mean over its own samples and the step's loss is the
+        # mean over all dp x ep pipelines. Dense weights saw one pipeline's data: average
+        # over dp x ep. An expert already summed the gradients of its ep group's pipelines
+        # through the all-to-all: sum over dp, divide by dp x ep.
+        all_reduce_(dense, self.groups.dense_grad, self.timeout, average=True)
+        all_reduce_(expert, self.groups.expert_grad, self.timeout)
+        if expert and self.grid.data_parallel_size > 1:
+            torch._foreach_div_(expert, float(self.grid.data_parallel_size))
+        # Dense gradients are equal on the ep ranks of a stage: count them once.
+        sq = (self.optimizer.local_sq_norm(dense) / self.grid.ep + self.optimizer.local_sq_norm(expert)).to(self.device)
+        all_reduce_([sq], self.groups.replica, self.timeout)
         captured = None
         if capture:
             captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
         return float(sq.sqrt()), captured
 
     # -- state ---------------------------------------------------------------------------
+
+    def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        return self.optimizer.load_(tensors)
 
     def parameters_cpu(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
