@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"io": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
         self.cfg: Config = config_from_dict(cfg)
@@ -54,11 +54,38 @@ class StageWorker:
         torch.manual_seed(self.cfg.train.seed)
         self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset)
         return {"rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "backend": backend}
 
     def run_step(self, step: int, program: list[Action], sample_ids: list[int],
-                 capture_grads: bool = False) -> StepReport:
-        return self.runtime.run_step(step, program, sample_ids, capture_grads)
+                 capture_grads: bool = False, snapshot: dict | None = None) -> StepReport:
+        """One step; with `snapshot` (save options) the state after it starts copying to host."""
+        report = self.runtime.run_step(step, program, sample_ids, capture_grads)
+        if snapshot is not None:
+            report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
+        return report
+
+    @ray.method(concurrency_group="io")
+    def export_snapshot(self) -> dict:
+        """The last snapshot, once copied, for the checkpoint writer. Runs beside run_step."""
+        from .checkpoint_writer import to_wire
+
+        return to_wire(self.runtime.snapshot.host_tensors())
+
+    def load_checkpoint(self, path: str, same_grid: bool) -> dict:
+        from raypar.checkpoint import CheckpointReader
+
+        with CheckpointReader(path) as reader:
+            names = set(reader.names())
+            missing = self.runtime.load_checkpoint(reader.read, names, same_grid)
+        return {"rank": self.rank, "missing_optimizer_state": len(missing)}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        from raypar.runtime.state import state_tensors
+
+        rt = self.runtime
+        held = state_tensors(rt.model, rt.optimizer, None, rt.rank, rt.device)
+        return {n: t.detach().float().cpu().clone() for n, t in held.items() if n.startswith("optim.")}
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.runtime.load_parameters(tensors)

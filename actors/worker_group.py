@@ -60,11 +60,49 @@ class WorkerGroup:
         self.info = self._get([w.setup.remote(addr, port) for w in self.workers], setup_timeout, "setup")
 
     def run_step(self, step: int, programs: list[list[Action]], sample_ids: list[list[int]],
-                 capture_grads: bool = False) -> list[StepReport]:
+                 capture_grads: bool = False, snapshot: dict | None = None) -> list[StepReport]:
         """programs[rank] and sample_ids[rank]; one Ray call per worker."""
-        refs = [w.run_step.remote(step, programs[r], sample_ids[r], capture_grads)
+        refs = [w.run_step.remote(step, programs[r], sample_ids[r], capture_grads, snapshot)
                 for r, w in enumerate(self.workers)]
         return self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def writers(self, root: str) -> dict[str, "ray.actor.ActorHandle"]:
+        """One checkpoint writer per node that holds workers, pinned to that node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .checkpoint_writer import CheckpointWriter
+
+        if not hasattr(self, "_writers"):
+            self._writers = {}
+        for node in dict.fromkeys(i["node_id"] for i in self.info):
+            if node not in self._writers:
+                self._writers[node] = CheckpointWriter.options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote(root, self.cfg.checkpoint.keep_last)
+        return self._writers
+
+    def reset_writers(self) -> None:
+        """Drop the writers (after one died); the next save starts fresh ones."""
+        for w in getattr(self, "_writers", {}).values():
+            ray.kill(w)
+        self._writers = {}
+
+    def save(self, root: str, step: int, meta: dict):
+        """Hand each worker's snapshot to its node's writer; returns the commit's ObjectRef.
+
+        Nothing here waits: workers export on their I/O thread while they train on, writers
+        write as snapshots arrive, and the commit runs once every shard is written.
+        """
+        writers = self.writers(root)
+        written = [writers[info["node_id"]].write.remote(step, rank, w.export_snapshot.remote())
+                   for rank, (w, info) in enumerate(zip(self.workers, self.info))]
+        return writers[self.info[0]["node_id"]].commit.remote(step, meta, *written)
+
+    def load_checkpoint(self, path: str, same_grid: bool) -> list[dict]:
+        return ray.get([w.load_checkpoint.remote(path, same_grid) for w in self.workers],
+                       timeout=self.cfg.checkpoint.timeout_s)
 
     def load_parameters(self, tensors: dict) -> None:
         """Overwrite parameters by global name on every worker that holds them."""
@@ -91,7 +129,7 @@ class WorkerGroup:
         return ray.get(refs)
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *getattr(self, "_writers", {}).values()]:
             try:
                 ray.kill(w)
             except Exception:

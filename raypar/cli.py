@@ -12,7 +12,10 @@ USAGE_ERRORS = (ConfigError,)
 def _train(args: argparse.Namespace) -> int:
     from raypar.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    cfg = load_config(args.config, overrides)
     summary = Trainer(cfg).fit()
     print("\nsummary\n" + summary.format(), flush=True)
     return 0
@@ -29,6 +32,22 @@ def _prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import re
+    from pathlib import Path
+
+    from raypar.checkpoint import export_hf, is_committed, is_model_weight, resolve
+
+    src = Path(args.checkpoint)
+    path = src if is_committed(src) else resolve(src, args.step)
+    drops = [re.compile(d) for d in args.drop]
+    keep = lambda name: is_model_weight(name) and not any(d.search(name) for d in drops)  # noqa: E731
+    max_bytes = int(args.max_shard_gb * 2**30) if args.max_shard_gb else None
+    index = export_hf(path, args.out, include=keep, max_shard_bytes=max_bytes)
+    print(f"exported {path} -> {index}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypar", description="Pipeline-parallel training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,8 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model",
                            description="Train with a YAML config; override any field as section.key=value.")
     train.add_argument("--config", "-c", default=None, help="YAML config file (default: built-in defaults)")
+    train.add_argument("--resume", default=None, metavar="latest|PATH|STEP",
+                       help="continue from a committed checkpoint (same as checkpoint.resume=...)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 parallel.schedule=fthenb")
     train.set_defaults(func=_train)
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as Hugging Face style safetensors",
+                            description="Export model weights (not optimizer state, master weights or RNG) "
+                                        "to OUT/model.safetensors and OUT/model.safetensors.index.json.")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoints root plus --step")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--step", default="latest", help="with a checkpoints root: latest or a step number")
+    export.add_argument("--drop", action="append", default=[], metavar="REGEX",
+                        help="leave out weights whose name matches (repeatable)")
+    export.add_argument("--max-shard-gb", type=float, default=None, help="split into files of at most this size")
+    export.set_defaults(func=_export)
 
     prep = sub.add_parser("prepare-data", help="write a token dataset in raypar's Parquet format")
     prep.add_argument("out", help="output Parquet file")
@@ -54,12 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     from raypar.data import DataError
     from raypar.model import PartitionError
     from raypar.resources import ResourceError
+    from raypar.checkpoint import CheckpointError
     from raypar.schedule import ScheduleError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may stand before or after options (`train --resume latest parallel.pp=2`).
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "train" or any("=" not in x or x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
-    except (ConfigError, DataError, PartitionError, ResourceError, ScheduleError) as e:
+    except (ConfigError, DataError, PartitionError, ResourceError, ScheduleError, CheckpointError) as e:
         print(f"raypar: error: {e}", file=sys.stderr)
         return 2
 

@@ -115,12 +115,25 @@ class RuntimeConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save after every N optimizer steps (and after the last one); 0: never
+    dir: str | None = None  # None: <runtime.run_dir>/checkpoints
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted after a commit
+    save_optimizer: bool = True  # AdamW moments and step counts
+    save_master: bool = True  # fp32 master weights of a bf16 model
+    when_busy: Literal["wait", "skip"] = "wait"  # a save due while the last is still writing
+    timeout_s: float = 600.0  # longest wait for a save to commit or a load to finish
+    resume: str | None = None  # "latest", a checkpoint path or a step: continue from it
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def microbatch_size(self) -> int:
@@ -255,6 +268,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep_last < 1 or c.timeout_s <= 0:
+        raise ConfigError(f"checkpoint.every={c.every} must be >= 0, checkpoint.keep_last={c.keep_last} >= 1, "
+                          f"checkpoint.timeout_s={c.timeout_s} > 0")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
     for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,

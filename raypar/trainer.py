@@ -17,6 +17,7 @@ from typing import Callable
 from raypar.config import Config
 from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
 from raypar.schedule import build_programs
+from raypar.saver import Saver
 from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
 from raypar.topology import Grid
 
@@ -38,6 +39,7 @@ class StepRecord:
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # per MoE layer, per expert
     tokens_dropped: int = 0
     alltoall_bytes: int = 0
+    checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
 
 
 @dataclass
@@ -59,6 +61,10 @@ class RunSummary:
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # summed over steps
     tokens_dropped: int = 0
     alltoall_bytes_per_step: float = 0.0
+    start_step: int = 0  # > 0 when resumed from a checkpoint
+    checkpoints: list[dict] = field(default_factory=list)  # one per save: step, path, bytes, timings
+    checkpoint_stall_s: float = 0.0  # total time the loop was held up by saves
+    checkpoints_skipped: int = 0
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -84,6 +90,17 @@ class RunSummary:
                 lines.append(f"experts, layer {layer:<5} token share {share}  (max/mean {max(counts) * len(counts) / total:.2f})")
             lines.append(f"tokens dropped      {self.tokens_dropped}")
             lines.append(f"all-to-all          {self.alltoall_bytes_per_step / 2**20:.2f} MiB per step")
+        if self.checkpoints or self.checkpoints_skipped:
+            ok = [c for c in self.checkpoints if not c["error"]]
+            per_save = self.checkpoint_stall_s / max(1, len(self.checkpoints))
+            line = f"checkpoints         {len(ok)} committed, {len(self.checkpoints) - len(ok)} failed, {self.checkpoints_skipped} skipped"
+            if ok:
+                mib = sum(c["bytes"] for c in ok) / len(ok) / 2**20
+                rate = fmean(c["bytes"] / c["write_s"] for c in ok if c["write_s"] > 0) / 2**20 if any(c["write_s"] for c in ok) else 0.0
+                line += f"; {mib:.1f} MiB each, written at {rate:.0f} MiB/s"
+            lines.append(line)
+            share = per_save / self.step_time_s * 100 if self.step_time_s else 0.0
+            lines.append(f"checkpoint stall    {per_save * 1000:.1f} ms per save ({share:.2f}% of a step)")
         if any(self.peak_device_bytes):
             lines.append("peak device memory  " + "  ".join(
                 f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_device_bytes)))
@@ -103,6 +120,8 @@ class Trainer:
         self.log = log or (lambda s: print(s, flush=True))
         self.run_dir = Path(cfg.runtime.run_dir).resolve()
         self.group = None
+        self.saver = Saver(cfg, self.run_dir, self.grid, self.log)
+        self.start_step = 0
         self.programs = build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
                                        release=cfg.runtime.release)
 
@@ -163,14 +182,27 @@ class Trainer:
         order = SampleOrder(len(dataset), self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
         self.start(dataset)
         records: list[StepRecord] = []
-        consumed = 0
         try:
+            start, consumed = self.resume()
+            self.saver.start_writers(self.group)
+            mode = "a" if start else "w"
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-            with open(self.run_dir / "metrics.jsonl", "w") as metrics, \
-                    open(self.run_dir / "events.jsonl", "w") as events:
-                for step in range(self.cfg.train.steps):
-                    record = self.train_step(step, order, consumed, events)
+            with open(self.run_dir / "metrics.jsonl", mode) as metrics, \
+                    open(self.run_dir / "events.jsonl", mode) as events:
+                for step in range(start, self.cfg.train.steps):
+                    save = self.saver.due(step + 1)
+                    stall = 0.0
+                    if save:
+                        save, stall = self.saver.ready_for()
+                    record = self.train_step(step, order, consumed, events, snapshot=save)
                     consumed = record.consumed_samples
+                    if save:
+                        t0 = time.perf_counter()
+                        self.saver.begin(self.group, step + 1, consumed)
+                        stall += time.perf_counter() - t0
+                    else:
+                        self.saver.poll()
+                    record.checkpoint_stall_s += stall
                     records.append(record)
                     metrics.write(json.dumps(asdict(record)) + "\n")
                     metrics.flush()
@@ -178,13 +210,39 @@ class Trainer:
                         self.log(self._progress(record))
                     for callback in self.on_step_end:
                         callback(record)
+            self.saver.finish()
         finally:
             self.shutdown()
         summary = self._summarise(records, consumed)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         return summary
 
-    def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None) -> StepRecord:
+    def resume(self) -> tuple[int, int]:
+        """Load checkpoint.resume into the workers: (first step to run, consumed samples)."""
+        from raypar.checkpoint import CheckpointError, read_manifest, resolve
+
+        spec = self.cfg.checkpoint.resume
+        if spec is None:
+            return 0, 0
+        path = resolve(self.saver.root, spec)
+        manifest = read_manifest(path)
+        saved_model = manifest.config.get("model", {})
+        current = self.cfg.to_dict()["model"]
+        changed = {k: (saved_model.get(k), v) for k, v in current.items() if k != "dtype" and saved_model.get(k) != v}
+        if changed:
+            raise CheckpointError(
+                f"{path} was written for another model: "
+                + ", ".join(f"model.{k}={old!r} there, {new!r} here" for k, (old, new) in changed.items())
+            )
+        topology = {"dp": self.grid.dp, "pp": self.grid.pp, "ep": self.grid.ep}
+        self.group.load_checkpoint(str(path), same_grid=manifest.topology == topology)
+        self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
+                 f"saved on grid {manifest.topology})")
+        self.start_step = manifest.step
+        return manifest.step, manifest.consumed_samples
+
+    def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None,
+                   snapshot: bool = False) -> StepRecord:
         cfg, grid = self.cfg, self.grid
         t0 = time.perf_counter()
         batch = order.indices(consumed, cfg.train.global_batch_size)
@@ -192,7 +250,8 @@ class Trainer:
         for c in grid.coords():
             programs.append(self.programs[c.pp])
             ids.append(split_batch(batch, grid.data_parallel_size, grid.data_rank(c)))
-        reports = self.group.run_step(step, programs, ids)
+        reports = self.group.run_step(step, programs, ids,
+                                      snapshot=self.saver.snapshot_options() if snapshot else None)
         step_time = time.perf_counter() - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.
@@ -219,6 +278,7 @@ class Trainer:
             expert_tokens=_sum_expert_tokens(r.expert_tokens for r in reports),
             tokens_dropped=sum(r.tokens_dropped for r in reports),
             alltoall_bytes=sum(r.alltoall_bytes for r in reports),
+            checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
         )
 
     def _progress(self, r: StepRecord) -> str:
@@ -250,6 +310,10 @@ class Trainer:
             expert_tokens=_sum_expert_tokens(r.expert_tokens for r in records),
             tokens_dropped=sum(r.tokens_dropped for r in records),
             alltoall_bytes_per_step=avg("alltoall_bytes"),
+            start_step=self.start_step,
+            checkpoints=[{**asdict(c), "write_bytes_per_s": c.write_bytes_per_s} for c in self.saver.results],
+            checkpoint_stall_s=sum(r.checkpoint_stall_s for r in records),
+            checkpoints_skipped=self.saver.skipped,
             records=records,
         )
 

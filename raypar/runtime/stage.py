@@ -24,6 +24,8 @@ from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import all_reduce_, exchange
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
+from raypar.runtime.snapshot import StateSnapshot
+from raypar.runtime.state import load_state, state_tensors
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
 
@@ -50,6 +52,7 @@ class StepReport:
     alltoall_bytes: int  # sent to other ranks of the ep group, forward and backward
     grad_norm: float
     lr: float
+    checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
@@ -87,6 +90,7 @@ class StageRuntime:
         self.tracker = ActivationTracker(list(self.model.parameters()))
         self.act_dtype = next(self.model.parameters()).dtype
         self.clock = StepClock(device)
+        self.snapshot = StateSnapshot()
         self._mb = -1
 
     # -- one step --------------------------------------------------------------------
@@ -110,6 +114,7 @@ class StageRuntime:
         grad_norm, lr, grads = 0.0, 0.0, None
         last_backward = None
         peak_live = 0
+        stall = 0.0
 
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -143,6 +148,8 @@ class StageRuntime:
             elif head.op == Op.REDUCE_GRAD:
                 grad_norm, grads = self._reduce_grads(capture_grads)
             elif head.op == Op.STEP:
+                # The last snapshot's copies must be done before the optimizer writes.
+                stall += self.snapshot.wait()
                 lr = self.optimizer.step(step, grad_norm)
             else:
                 raise ValueError(f"stage {self.stage}: cannot execute {head}")
@@ -156,7 +163,7 @@ class StageRuntime:
 
         self.clock.finish()
         events = [(label, self.clock.seconds(b), self.clock.seconds(e)) for label, b, e in marks]
-        compute = sum(e - b for label, b, e in events if label[0] in "FB")
+        compute = sum(e - b for label, b, e in events if label[0] in "FB" and label[1:].isdigit())
         loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
         peak_act = self.tracker.peak_bytes
         expert_tokens = {layer: m.stats.routed.cpu().tolist() for layer, m in self.moe_layers.items()
@@ -174,7 +181,8 @@ class StageRuntime:
             peak_activation_bytes=peak_act,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             peak_live_microbatches=peak_live, released_outputs=released,
-            expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, grad_norm=grad_norm, lr=lr, grads=grads,
+            expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a,
+            grad_norm=grad_norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
         )
 
     # -- actions -----------------------------------------------------------------------
@@ -264,6 +272,15 @@ class StageRuntime:
         return float(sq.sqrt()), captured
 
     # -- state ---------------------------------------------------------------------------
+
+    def start_snapshot(self, step: int, save_optimizer: bool = True, save_master: bool = True) -> float:
+        """Begin copying this worker's checkpoint share to host memory; returns the stall."""
+        tensors = state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
+                                save_optimizer=save_optimizer, save_master=save_master)
+        return self.snapshot.start(step, tensors)
+
+    def load_checkpoint(self, read, names: set[str], same_grid: bool) -> list[str]:
+        return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device)
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.optimizer.load_(tensors)

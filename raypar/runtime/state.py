@@ -1,0 +1,70 @@
+"""A stage worker's training state as globally named tensors, for checkpoints.
+
+Names are topology-free: `<param>` (weights in the model dtype), `master.<param>` (fp32
+master weights, bf16 models only), `optim.exp_avg.<param>`, `optim.exp_avg_sq.<param>`,
+`optim.step.<param>` (AdamW), `rng.rank<r>.cpu` / `rng.rank<r>.cuda`. Replicas hold equal
+copies; only one of them writes each tensor: dp rank 0 writes experts, dp rank 0 and ep
+rank 0 write everything else.
+"""
+from __future__ import annotations
+
+import torch
+
+from raypar.optim import MasterOptimizer, is_expert_param
+from raypar.topology import Coord
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+def writes(coord: Coord, name: str) -> bool:
+    return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name))
+
+
+def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coord | None, rank: int,
+                  device: torch.device, save_optimizer: bool = True, save_master: bool = True) -> dict[str, torch.Tensor]:
+    """This worker's share of the state (all it holds when coord is None), as live tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for (name, param), master in zip(optimizer.named_params, optimizer.master):
+        if coord is not None and not writes(coord, name):
+            continue
+        out[name] = param.detach()
+        if optimizer.mixed and save_master:
+            out[f"master.{name}"] = master.detach()
+        if save_optimizer:
+            state = optimizer.optimizer.state.get(master, {})
+            for key in ADAM_STATE:
+                if key in state:
+                    out[f"optim.{key}.{name}"] = state[key].detach().reshape(state[key].shape)
+    out[f"rng.rank{rank}.cpu"] = torch.get_rng_state()
+    if device.type == "cuda":
+        out[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | None, device: torch.device) -> list[str]:
+    """Fill parameters, masters and AdamW state from `read(name) -> Tensor`.
+
+    `names` is what the checkpoint holds. Masters come from `master.<p>` when saved, else
+    from the weights. `rank` restores this rank's RNG (same grid only; None skips it).
+    Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
+    """
+    missing_optim = []
+    with torch.no_grad():
+        for (name, param), master in zip(optimizer.named_params, optimizer.master):
+            if name not in names:
+                raise KeyError(name)
+            source = f"master.{name}" if optimizer.mixed and f"master.{name}" in names else name
+            master.copy_(read(source))
+            if master is not param:
+                param.copy_(master)
+            if f"optim.exp_avg.{name}" in names:
+                state = optimizer.optimizer.state[master]
+                for key in ADAM_STATE:
+                    state[key] = read(f"optim.{key}.{name}").to(device)
+            else:
+                missing_optim.append(name)
+    if rank is not None and f"rng.rank{rank}.cpu" in names:
+        torch.set_rng_state(read(f"rng.rank{rank}.cpu"))
+        if device.type == "cuda" and f"rng.rank{rank}.cuda" in names:
+            torch.cuda.set_rng_state(read(f"rng.rank{rank}.cuda"), device)
+    return missing_optim

@@ -1,0 +1,92 @@
+"""Checkpoints during training: exact resume, resume on other grids, failures mid-save."""
+import pytest
+import ray
+import torch
+
+from raypar.checkpoint import CheckpointReader, checkpoint_dir, cleanup_uncommitted, latest, list_committed
+from raypar.trainer import Trainer
+
+from helpers import tiny_config
+
+MOE = {"n_layers": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01}
+
+
+def config(tmp_path, name, grid=(1, 2, 1), steps=10, every=5, model=None, **checkpoint):
+    dp, pp, ep = grid
+    return tiny_config(
+        tmp_path / name, model=model or {},
+        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2},
+        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
+        data={"path": str(tmp_path / "data.parquet")},
+        checkpoint={"every": every, "dir": str(tmp_path / name / "ckpt"), **checkpoint},
+    )
+
+
+@pytest.fixture
+def data(tmp_path):
+    from raypar.data import write_synthetic_corpus
+
+    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
+
+
+def weights(path):
+    with CheckpointReader(path) as r:
+        return {n: r.read(n) for n in r.names() if not n.startswith("rng.")}
+
+
+def test_resume_equals_an_uninterrupted_run(ray_session, tmp_path, data):
+    full = Trainer(config(tmp_path, "full")).fit()
+    saved_at_5 = checkpoint_dir(tmp_path / "full" / "ckpt", 5)
+    resumed = Trainer(config(tmp_path, "resumed", resume=str(saved_at_5))).fit()
+    assert resumed.start_step == 5 and [r.step for r in resumed.records] == [5, 6, 7, 8, 9]
+    assert [r.loss for r in resumed.records] == [r.loss for r in full.records[5:]]
+    assert resumed.consumed_samples == full.consumed_samples
+    a, b = weights(latest(tmp_path / "full" / "ckpt")), weights(latest(tmp_path / "resumed" / "ckpt"))
+    assert a.keys() == b.keys() and any(n.startswith("optim.") for n in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("target", [(1, 1, 1), (2, 1, 2), (1, 4, 1)], ids=lambda g: "x".join(map(str, g)))
+def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data, target):
+    source = Trainer(config(tmp_path, "source", grid=(1, 2, 2), steps=6, every=3, model=MOE)).fit()
+    saved = checkpoint_dir(tmp_path / "source" / "ckpt", 3)
+    moved = Trainer(config(tmp_path, "target", grid=target, steps=6, every=3, model=MOE, resume=str(saved))).fit()
+    assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in source.records[3:]], rel=1e-5)
+    a, b = weights(latest(tmp_path / "source" / "ckpt")), weights(latest(tmp_path / "target" / "ckpt"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _kill_during_save(at_step, kill):
+    """A callback that kills something while the save after step `at_step` is in flight."""
+    def callback(record):
+        if record.step + 1 == at_step:
+            kill()
+    return callback
+
+
+def test_writer_killed_mid_save_loses_only_that_save(ray_session, tmp_path, data):
+    cfg = config(tmp_path, "run", steps=6, every=2, keep_last=5)
+    trainer = Trainer(cfg)
+    trainer.on_step_end.append(_kill_during_save(4, lambda: [ray.kill(w) for w in trainer.group._writers.values()]))
+    summary = trainer.fit()
+    root = tmp_path / "run" / "ckpt"
+    assert [s for s, _ in list_committed(root)] == [2, 6]
+    assert [c["error"] is not None for c in summary.checkpoints] == [False, True, False]
+    assert not checkpoint_dir(root, 4).exists()  # the partial save was cleaned up
+    assert weights(latest(root))
+
+
+def test_stage_worker_killed_mid_save_keeps_the_last_committed(ray_session, tmp_path, data):
+    cfg = config(tmp_path, "run", steps=6, every=2)
+    trainer = Trainer(cfg)
+    trainer.on_step_end.append(_kill_during_save(4, lambda: ray.kill(trainer.group.workers[1])))
+    with pytest.raises(ray.exceptions.RayError):
+        trainer.fit()
+    root = tmp_path / "run" / "ckpt"
+    assert [s for s, _ in list_committed(root)] == [2]
+    cleanup_uncommitted(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000002"]
+    assert weights(latest(root))
