@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import ray
@@ -29,7 +30,10 @@ def to_wire(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str
 def from_wire(wire: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
     out = {}
     for name, (arr, dtype) in wire.items():
-        t = torch.from_numpy(np.ascontiguousarray(arr))
+        with warnings.catch_warnings():
+            # Arrays from the object store are read-only; the writer only reads them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(np.ascontiguousarray(arr))
         out[name] = t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t
     return out
 

@@ -65,6 +65,9 @@ class StageWorker:
             report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
         return report
 
+    def start_snapshot(self, step: int, options: dict) -> float:
+        return self.runtime.start_snapshot(step, **options)
+
     @ray.method(concurrency_group="io")
     def export_snapshot(self) -> dict:
         """The last snapshot, once copied, for the checkpoint writer. Runs beside run_step."""

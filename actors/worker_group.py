@@ -83,6 +83,17 @@ class WorkerGroup:
                 ).remote(root, self.cfg.checkpoint.keep_last)
         return self._writers
 
+    def snapshot(self, step: int, options: dict) -> None:
+        """Start a snapshot of the state as it is now (between steps)."""
+        ray.get([w.start_snapshot.remote(step, options) for w in self.workers], timeout=self.cfg.checkpoint.timeout_s)
+
+    def all_alive(self, timeout: float = 10.0) -> bool:
+        try:
+            ray.get([w.address.remote() for w in self.workers], timeout=timeout)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
     def reset_writers(self) -> None:
         """Drop the writers (after one died); the next save starts fresh ones."""
         for w in getattr(self, "_writers", {}).values():
@@ -135,3 +146,9 @@ class WorkerGroup:
             except Exception:
                 pass
         remove_placement_group(self.pg)
+        # Removal is asynchronous; a re-plan right after must see the resources as free.
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            if ray.util.placement_group_table(self.pg).get("state") == "REMOVED":
+                break
+            time.sleep(0.05)

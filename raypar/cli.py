@@ -10,25 +10,41 @@ USAGE_ERRORS = (ConfigError,)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from raypar.metrics import build_exporter
     from raypar.trainer import Trainer
 
     overrides = list(args.overrides)
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
+    if args.init_from:
+        overrides.append(f"model.init_from={args.init_from}")
     cfg = load_config(args.config, overrides)
-    summary = Trainer(cfg).fit()
+    exporter = build_exporter(cfg)  # a standalone endpoint binds its port now, before Ray starts
+    try:
+        summary = Trainer(cfg, callbacks=[exporter]).fit()
+    finally:
+        exporter.close()
     print("\nsummary\n" + summary.format(), flush=True)
     return 0
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from raypar.data import write_synthetic_corpus
+    from raypar.data import prepare_data, write_synthetic_corpus
 
-    if not args.synthetic:
-        print("raypar prepare-data: only --synthetic is available in this version", file=sys.stderr)
+    if args.synthetic:
+        path = write_synthetic_corpus(args.out, args.samples, args.seq_len, args.vocab_size, seed=args.seed)
+        print(f"wrote {args.samples} samples of {args.seq_len + 1} tokens to {path}")
+        return 0
+    if not args.inputs:
+        print("raypar prepare-data: give text/Parquet inputs (--input FILE ...) or --synthetic", file=sys.stderr)
         return 2
-    path = write_synthetic_corpus(args.out, args.samples, args.seq_len, args.vocab_size, seed=args.seed)
-    print(f"wrote {args.samples} samples of {args.seq_len + 1} tokens to {path}")
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r  {done}/{total} documents", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    path = prepare_data(args.inputs, args.out, args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
+                        add_eos=not args.no_eos, progress=progress)
+    print(f"wrote {path}")
     return 0
 
 
@@ -43,7 +59,12 @@ def _export(args: argparse.Namespace) -> int:
     drops = [re.compile(d) for d in args.drop]
     keep = lambda name: is_model_weight(name) and not any(d.search(name) for d in drops)  # noqa: E731
     max_bytes = int(args.max_shard_gb * 2**30) if args.max_shard_gb else None
-    index = export_hf(path, args.out, include=keep, max_shard_bytes=max_bytes)
+    if args.hf:
+        from raypar.hf import export_checkpoint_to_hf
+
+        index = export_checkpoint_to_hf(path, args.out, ema=args.ema, drop=args.drop, max_shard_bytes=max_bytes)
+    else:
+        index = export_hf(path, args.out, include=keep, max_shard_bytes=max_bytes)
     print(f"exported {path} -> {index}")
     return 0
 
@@ -57,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", "-c", default=None, help="YAML config file (default: built-in defaults)")
     train.add_argument("--resume", default=None, metavar="latest|PATH|STEP",
                        help="continue from a committed checkpoint (same as checkpoint.resume=...)")
+    train.add_argument("--init-from", default=None, metavar="HF_DIR",
+                       help="start from a Hugging Face Llama/Mixtral safetensors folder (same as model.init_from=...)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 parallel.schedule=fthenb")
     train.set_defaults(func=_train)
 
@@ -69,10 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--drop", action="append", default=[], metavar="REGEX",
                         help="leave out weights whose name matches (repeatable)")
     export.add_argument("--max-shard-gb", type=float, default=None, help="split into files of at most this size")
+    export.add_argument("--hf", action="store_true",
+                        help="name tensors as transformers' Llama/Mixtral and write config.json (loadable by from_pretrained)")
+    export.add_argument("--ema", action="store_true", help="export the EMA weights instead (with --hf)")
     export.set_defaults(func=_export)
 
-    prep = sub.add_parser("prepare-data", help="write a token dataset in raypar's Parquet format")
+    from raypar.timeline import add_parser as add_timeline_parser
+
+    add_timeline_parser(sub)
+
+    prep = sub.add_parser("prepare-data", help="write a token dataset in raypar's Parquet format",
+                          description="Tokenize text files or a Parquet text column into fixed-length samples, "
+                                      "or generate a synthetic corpus.")
     prep.add_argument("out", help="output Parquet file")
+    prep.add_argument("--input", dest="inputs", action="append", default=[], metavar="PATH",
+                      help=".txt file (one document), .parquet file or folder of them (repeatable)")
+    prep.add_argument("--tokenizer", default="bytes",
+                      help='"bytes" (built in, vocab 257) or a local folder/file with a Hugging Face tokenizer.json')
+    prep.add_argument("--text-column", default="text", help="the text column of Parquet inputs")
+    prep.add_argument("--no-eos", action="store_true", help="do not append an end-of-document token")
     prep.add_argument("--synthetic", action="store_true", help="generate a learnable synthetic corpus")
     prep.add_argument("--samples", type=int, default=4096)
     prep.add_argument("--seq-len", type=int, default=32)

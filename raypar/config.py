@@ -21,27 +21,30 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
+    vocab_size: int = 256  # token ids are 0 .. vocab_size - 1
+    dim: int = 64  # width of the residual stream
+    n_layers: int = 4  # transformer blocks, split over the pipeline stages
+    n_heads: int = 4  # attention heads; dim / n_heads is the head size
     n_kv_heads: int | None = None  # None: same as n_heads (no grouped-query attention)
     ffn_dim: int | None = None  # None: about 8/3 * dim, rounded up to a multiple of 8
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    max_seq_len: int = 256  # longest sequence the rotary tables cover
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init (output projections get / sqrt(2 * n_layers))
     # Parameter dtype. bfloat16 keeps fp32 master weights and fp32 gradient accumulation.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Mixture of experts: 0 experts is a dense model. Layer i is MoE when
     # (i + 1) % moe_every == 0 (every layer with 1, every second layer with 2).
     n_experts: int = 0
-    moe_top_k: int = 2
-    moe_every: int = 1
+    moe_top_k: int = 2  # experts each token is sent to
+    moe_every: int = 1  # every k-th layer is MoE (see above)
     moe_ffn_dim: int | None = None  # None: the dense hidden_dim
-    moe_aux_loss_coef: float = 0.01
-    moe_z_loss_coef: float = 0.0
+    moe_aux_loss_coef: float = 0.01  # weight of the per-sequence load-balancing loss
+    moe_z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp)
     moe_capacity_factor: float = 0.0  # 0: dropless; else per-sample capacity, extra tokens dropped
+    # A Hugging Face folder (Llama or Mixtral, safetensors) whose weights replace the
+    # random initialisation; its config.json must match this model.
+    init_from: str | None = None
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_experts > 0 and (layer_id + 1) % self.moe_every == 0
@@ -59,58 +62,58 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = 1
-    pp: int = 1
-    ep: int = 1
-    schedule: Literal["fthenb", "1f1b"] = "1f1b"
+    dp: int = 1  # data-parallel replicas of the whole pipeline
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
+    schedule: Literal["fthenb", "1f1b"] = "1f1b"  # forward-then-backward (GPipe) or one-forward-one-backward
     microbatches: int = 1  # per data-parallel replica and step
     layers_per_stage: list[int] | None = None  # None: as even as possible
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
+    steps: int = 30  # optimizer steps of the whole run
     global_batch_size: int = 8  # samples per optimizer step, over all replicas
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-3  # peak learning rate, reached after warmup
+    min_lr: float = 3e-4  # learning rate at the last step (cosine decay)
+    warmup_steps: int = 3  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW decay of matrices (norm gains are not decayed)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    seed: int = 0
+    seed: int = 0  # initialisation and data order; the same on every grid
 
 
 @dataclass
 class DataConfig:
     path: str | None = None  # Parquet token file or folder; None: synthetic corpus in the run dir
-    seq_len: int = 32
-    shuffle: bool = True
-    synthetic_samples: int = 4096
+    seq_len: int = 32  # tokens per sample (the file holds seq_len + 1 per row)
+    shuffle: bool = True  # a new seeded permutation of the samples every epoch
+    synthetic_samples: int = 4096  # size of the generated corpus when data.path is unset
 
 
 @dataclass
 class RuntimeConfig:
-    run_dir: str = "runs/default"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    run_dir: str = "runs/default"  # config.json, metrics.jsonl, events.jsonl, summary.json, checkpoints/
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: one GPU per worker when the cluster has GPUs
     release: bool = True  # free activations backward no longer needs
     # Activation recompute: "block" keeps each block's input and recomputes the block in
     # backward; "stage" keeps only the stage input and recomputes the whole stage.
     recompute: Literal["none", "block", "stage"] = "none"
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0  # Ray CPUs per stage worker (fractions let many workers share cores)
     # Local cluster size when the driver starts Ray itself; None lets Ray count the machine.
     num_cpus: int | None = None
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local cluster
-    placement_timeout_s: float = 30.0
-    collective_timeout_s: float = 120.0
-    step_timeout_s: float = 600.0
-    log_every: int = 1
+    placement_timeout_s: float = 30.0  # longest wait for the cluster to place all workers
+    collective_timeout_s: float = 120.0  # longest wait in a p2p exchange or collective
+    step_timeout_s: float = 600.0  # longest wait for every worker to finish a step
+    log_every: int = 1  # print a progress line every N steps
     # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
     # Grafana); "standalone" serves them from the driver with prometheus_client; "off".
     metrics: Literal["ray", "standalone", "off"] = "ray"
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
+    metrics_host: str = "127.0.0.1"  # standalone endpoint address (loopback by default)
+    metrics_port: int = 9464  # standalone endpoint port; 0 picks a free one
     run_name: str = "default"  # metric label that tells runs apart
 
 
@@ -127,6 +130,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    enabled: bool = False  # survive lost workers and nodes: re-plan, reload the last checkpoint, go on
+    min_workers: int = 1  # the smallest grid worth running; below it the run waits, then fails
+    max_restarts: int = 3  # recoveries before the run gives up
+    resource_timeout_s: float = 60.0  # how long planning waits for enough resources
+    grow: bool = True  # move back toward the configured grid at a checkpoint when resources return
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -134,6 +146,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     @property
     def microbatch_size(self) -> int:
@@ -238,6 +251,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 1e-5 (no dot) as a string; accept what Python reads as a number.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         return float(value)
@@ -274,6 +293,12 @@ def validate(cfg: Config) -> None:
                           f"checkpoint.timeout_s={c.timeout_s} > 0")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    e = cfg.elastic
+    if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0:
+        raise ConfigError(f"elastic.min_workers={e.min_workers} must be >= 1, elastic.max_restarts={e.max_restarts} "
+                          f">= 0, elastic.resource_timeout_s={e.resource_timeout_s} >= 0")
+    if t.seed < 0:
+        raise ConfigError(f"train.seed={t.seed} must be >= 0")
     for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,
                        "runtime.collective_timeout_s": r.collective_timeout_s, "runtime.step_timeout_s": r.step_timeout_s}.items():
         if value <= 0:

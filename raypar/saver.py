@@ -30,8 +30,10 @@ class SaveResult:
 
 
 class Saver:
-    def __init__(self, cfg: Config, run_dir: Path, grid: Grid, log: Callable[[str], None]):
+    def __init__(self, cfg: Config, run_dir: Path, grid: Grid, log: Callable[[str], None],
+                 on_result: Callable[[SaveResult], object] = lambda r: None):
         self.cfg = cfg
+        self.on_result = on_result
         self.grid = grid
         self.log = log
         self.root = Path(cfg.checkpoint.dir).expanduser().resolve() if cfg.checkpoint.dir else run_dir / "checkpoints"
@@ -102,8 +104,18 @@ class Saver:
             return
         result = SaveResult(step, r["path"], r["bytes"], r["write_s"], time.perf_counter() - t0)
         self.results.append(result)
+        self.on_result(result)
         self.log(f"checkpoint: step {step} committed, {result.bytes / 2**20:.1f} MiB at "
                  f"{result.write_bytes_per_s / 2**20:.0f} MiB/s -> {result.path}")
+
+    def abandon(self) -> None:
+        """Forget the save in flight (its workers are gone); its partial files are cleaned later."""
+        if self._pending is not None:
+            step = self._pending[0]
+            self._pending = None
+            self.results.append(SaveResult(step, None, 0, 0.0, 0.0, error="abandoned: workers lost during the save"))
+            self.on_result(self.results[-1])
+        self._writers_failed = True
 
     def finish(self) -> None:
         """Wait for the save in flight, up to checkpoint.timeout_s."""
@@ -115,4 +127,5 @@ class Saver:
             self._pending = None
             self.results.append(SaveResult(step, None, 0, 0.0, self.cfg.checkpoint.timeout_s,
                                            error=f"not committed within checkpoint.timeout_s={self.cfg.checkpoint.timeout_s:g}s"))
+            self.on_result(self.results[-1])
             self.log(f"checkpoint: step {step} did not commit within checkpoint.timeout_s; it is not valid")

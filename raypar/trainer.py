@@ -14,12 +14,25 @@ from pathlib import Path
 from statistics import fmean
 from typing import Callable
 
-from raypar.config import Config
+from raypar.config import Config, ConfigError
 from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
 from raypar.schedule import build_programs
+import ray
+import torch
+
+from raypar.actors.worker_group import StepTimeout
+from raypar.callbacks import Callback, as_callbacks
+from raypar.runtime.comm import CollectiveTimeout
+from raypar.elastic import Plan, State, StateMachine, plan_grid, with_plan
+from raypar.metrics.exporter import stage_times
 from raypar.saver import Saver
 from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
 from raypar.topology import Grid
+
+
+# A lost worker or node, or a collective that hung: what the controller recovers from.
+WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
+                   StepTimeout)
 
 
 @dataclass
@@ -40,6 +53,7 @@ class StepRecord:
     tokens_dropped: int = 0
     alltoall_bytes: int = 0
     checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
+    stage_times: list = field(default_factory=list)  # per worker: forward, backward, idle seconds
 
 
 @dataclass
@@ -65,6 +79,9 @@ class RunSummary:
     checkpoints: list[dict] = field(default_factory=list)  # one per save: step, path, bytes, timings
     checkpoint_stall_s: float = 0.0  # total time the loop was held up by saves
     checkpoints_skipped: int = 0
+    restarts: int = 0  # times the workers were torn down after a failure
+    recoveries: list[dict] = field(default_factory=list)  # per failure: grids, detection/recovery s, steps redone
+    controller_states: list[str] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -101,27 +118,47 @@ class RunSummary:
             lines.append(line)
             share = per_save / self.step_time_s * 100 if self.step_time_s else 0.0
             lines.append(f"checkpoint stall    {per_save * 1000:.1f} ms per save ({share:.2f}% of a step)")
+        for r in self.recoveries:
+            lines.append(f"recovery {r['restart']}          {r['error']} on {r['failed_grid']} -> {r['grid']}: detected in "
+                         f"{r['detection_s']:.1f}s, recovered in {r['recovery_s']:.1f}s, {r['steps_lost']} steps redone")
         if any(self.peak_device_bytes):
             lines.append("peak device memory  " + "  ".join(
                 f"stage {s}: {mib(b)}" for s, b in enumerate(self.peak_device_bytes)))
         return "\n".join(lines)
 
 
-StepCallback = Callable[[StepRecord], None]
-
-
 class Trainer:
     """Runs one training job on a Ray cluster (an existing one, or a local one it starts)."""
 
-    def __init__(self, cfg: Config, on_step_end: list[StepCallback] | None = None, log: Callable[[str], None] | None = None):
+    def __init__(self, cfg: Config, callbacks: list[Callback | Callable[[StepRecord], None]] | None = None,
+                 log: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
-        self.on_step_end = list(on_step_end or [])
+        # Plain functions count as step-end hooks.
+        self.callbacks = as_callbacks(callbacks)
         self.log = log or (lambda s: print(s, flush=True))
         self.run_dir = Path(cfg.runtime.run_dir).resolve()
+        if cfg.model.init_from:
+            # Workers may run elsewhere with another working directory: pass an absolute path.
+            hf_dir = Path(cfg.model.init_from).expanduser().resolve()
+            if not (hf_dir / "config.json").is_file():
+                raise ConfigError(f"model.init_from={cfg.model.init_from}: no config.json in {hf_dir} "
+                                  f"(expected a Hugging Face model folder saved with safetensors)")
+            cfg.model.init_from = str(hf_dir)
         self.group = None
-        self.saver = Saver(cfg, self.run_dir, self.grid, self.log)
+        self.saver = Saver(cfg, self.run_dir, self.grid, self.log,
+                           on_result=lambda r: [c.on_checkpoint(self, r) for c in self.callbacks])
         self.start_step = 0
+        self.base_cfg = cfg  # the configured grid; elastic re-plans derive from it
+        self.configured_grid = self.grid
+        self.controller = StateMachine()
+        self.recoveries: list[dict] = []
+        self.restarts = 0
+        self._recovery: dict | None = None
+        self._next_plan: Plan | None = None
+        self._max_step_done = 0
+        self._stop = False
+        self._stop_save = False
         self.programs = build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
                                        release=cfg.runtime.release)
 
@@ -154,20 +191,56 @@ class Trainer:
         if address:
             ray.init(address=address)
         else:
-            ray.init(num_cpus=self.cfg.runtime.num_cpus, include_dashboard=False)
+            # "local": a new cluster even if `ray start` left one registered on this machine.
+            ray.init(address="local", num_cpus=self.cfg.runtime.num_cpus, include_dashboard=False)
 
     def start(self, dataset: TokenDataset) -> None:
+        """PLANNING -> STARTING: pick the grid, place and wire its workers."""
         import ray
 
         from raypar.actors.worker_group import WorkerGroup
         from raypar.resources import plan_resources
 
-        self._connect()
+        if self.cfg.elastic.enabled:
+            plan, self._next_plan = self._next_plan, None
+            self._adopt(plan or self._plan_elastic())
         resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
+        self.controller.to(State.STARTING, str(self.grid))
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
         self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
+
+    def _plan_elastic(self) -> Plan:
+        """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
+        import ray
+
+        from raypar.resources import ResourceError
+
+        deadline = time.monotonic() + self.cfg.elastic.resource_timeout_s
+        while True:
+            slots = self._worker_slots(ray.available_resources())
+            plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
+            if plan is not None:
+                return plan
+            if time.monotonic() >= deadline:
+                raise ResourceError(
+                    f"no grid of at least elastic.min_workers={self.cfg.elastic.min_workers} workers fits: the cluster "
+                    f"has room for {slots} workers of {self.cfg.runtime.cpus_per_worker:g} CPUs"
+                    + (" and 1 GPU" if getattr(self, "device", "cpu") == "cuda" else "")
+                    + f" after waiting elastic.resource_timeout_s={self.cfg.elastic.resource_timeout_s:g}s"
+                )
+            time.sleep(1.0)
+
+    def _adopt(self, plan: Plan) -> None:
+        if plan.grid != self.grid or plan.microbatches != self.cfg.parallel.microbatches:
+            self.log(f"raypar: planned grid {plan}")
+        self.cfg = with_plan(self.base_cfg, plan)
+        self.grid = plan.grid
+        self.saver.grid = plan.grid
+        self.saver.cfg = self.cfg
+        self.programs = build_programs(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.microbatches,
+                                       release=self.cfg.runtime.release)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -177,58 +250,205 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> RunSummary:
+        """Run the job: the controller's state machine around the step loop.
+
+        PLANNING picks a grid for what the cluster has, STARTING places the workers and
+        loads a checkpoint, RUNNING steps. A lost worker or node, or a hung collective,
+        moves to RECOVERING (with `elastic.enabled`): everything is torn down and planned
+        again, and the run reloads its last committed checkpoint. GROWING restarts on a
+        larger grid at a checkpoint when resources have come back.
+        """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dataset = self.prepare_data()
         order = SampleOrder(len(dataset), self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
-        self.start(dataset)
+        self._connect()
         records: list[StepRecord] = []
+        consumed = 0
+        resume = self.cfg.checkpoint.resume
+        mode = "a" if resume else "w"
+        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         try:
-            start, consumed = self.resume()
-            self.saver.start_writers(self.group)
-            mode = "a" if start else "w"
-            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
             with open(self.run_dir / "metrics.jsonl", mode) as metrics, \
                     open(self.run_dir / "events.jsonl", mode) as events:
-                for step in range(start, self.cfg.train.steps):
-                    save = self.saver.due(step + 1)
-                    stall = 0.0
-                    if save:
-                        save, stall = self.saver.ready_for()
-                    record = self.train_step(step, order, consumed, events, snapshot=save)
-                    consumed = record.consumed_samples
-                    if save:
-                        t0 = time.perf_counter()
-                        self.saver.begin(self.group, step + 1, consumed)
-                        stall += time.perf_counter() - t0
-                    else:
-                        self.saver.poll()
-                    record.checkpoint_stall_s += stall
-                    records.append(record)
-                    metrics.write(json.dumps(asdict(record)) + "\n")
-                    metrics.flush()
-                    if step % self.cfg.runtime.log_every == 0 or step == self.cfg.train.steps - 1:
-                        self.log(self._progress(record))
-                    for callback in self.on_step_end:
-                        callback(record)
-            self.saver.finish()
+                while True:
+                    self.start(dataset)
+                    try:
+                        start, consumed = self.resume(resume)
+                        self.saver.start_writers(self.group)
+                        self.controller.to(State.RUNNING)
+                        self._recovered()
+                        for callback in self.callbacks:
+                            callback.on_train_start(self)
+                        consumed, outcome = self._run(start, consumed, order, records, metrics, events)
+                    except WORKER_FAILURES as e:
+                        resume = self._recover(e)
+                        continue
+                    if outcome == "grow":
+                        self.controller.to(State.GROWING, f"resources for {self._grow_to}")
+                        self.saver.finish()
+                        self.shutdown()
+                        self._next_plan = self._grow_to
+                        self.controller.to(State.PLANNING)
+                        resume = "latest"
+                        continue
+                    break
+            self.controller.to(State.FINISHED)
+        except BaseException as e:
+            if self.controller.state not in (State.FINISHED, State.FAILED):
+                self.controller.to(State.FAILED, repr(e)[:200])
+            raise
         finally:
             self.shutdown()
         summary = self._summarise(records, consumed)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+        for callback in self.callbacks:
+            callback.on_train_end(self, summary)
         return summary
 
-    def resume(self) -> tuple[int, int]:
-        """Load checkpoint.resume into the workers: (first step to run, consumed samples)."""
-        from raypar.checkpoint import CheckpointError, read_manifest, resolve
+    def _run(self, start: int, consumed: int, order: SampleOrder, records: list, metrics, events) -> tuple[int, str]:
+        """Steps from `start` to the end (or a stop request, or a chance to grow)."""
+        committed = len(self.saver.results)
+        for step in range(start, self.cfg.train.steps):
+            if self._stop:
+                break
+            save = self.saver.due(step + 1)
+            stall = 0.0
+            if save:
+                save, stall = self.saver.ready_for()
+            self._step_issued = time.time()
+            record = self.train_step(step, order, consumed, events, snapshot=save)
+            consumed = record.consumed_samples
+            if save:
+                t0 = time.perf_counter()
+                self.saver.begin(self.group, step + 1, consumed)
+                stall += time.perf_counter() - t0
+            else:
+                self.saver.poll()
+            record.checkpoint_stall_s += stall
+            records.append(record)
+            self._max_step_done = max(self._max_step_done, step + 1)
+            if self._recovery is not None:
+                self._finish_recovery(record)
+            metrics.write(json.dumps(asdict(record)) + "\n")
+            metrics.flush()
+            if step % self.cfg.runtime.log_every == 0 or step == self.cfg.train.steps - 1:
+                self.log(self._progress(record))
+            for callback in self.callbacks:
+                callback.on_step_end(self, record)
+            if len(self.saver.results) > committed:
+                committed = len(self.saver.results)
+                if self.saver.results[-1].error is None and step + 1 < self.cfg.train.steps and self._can_grow():
+                    return consumed, "grow"
+        last = records[-1] if records else None
+        if self._stop and self._stop_save and last is not None and not self.saver.due(last.step + 1):
+            # Stopped early on request: keep where it stopped.
+            if self.saver.ready_for()[0]:
+                self.group.snapshot(last.step, self.saver.snapshot_options())
+                self.saver.begin(self.group, last.step + 1, consumed)
+        self.saver.finish()
+        return consumed, "finished"
 
-        spec = self.cfg.checkpoint.resume
-        if spec is None:
+    # -- elasticity ------------------------------------------------------------------------
+
+    def _recover(self, error: BaseException) -> str | None:
+        """Tear down after a failure; returns what to resume from. Raises when out of tries."""
+        detected = time.time()
+        elastic = self.cfg.elastic
+        if not self._is_worker_failure(error):
+            raise error  # a bug in a worker, not a lost one: recovering would only repeat it
+        if not elastic.enabled or self.restarts >= elastic.max_restarts:
+            if elastic.enabled:
+                self.log(f"raypar: giving up after {self.restarts} restarts "
+                         f"(elastic.max_restarts={elastic.max_restarts})")
+            raise error
+        self.controller.to(State.RECOVERING, repr(error)[:200])
+        self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
+                 f"recovering from the last committed checkpoint")
+        self.saver.abandon()
+        self.shutdown()
+        self.restarts += 1
+        if self._recovery is not None:
+            # Failed again before the first good step: one recovery, timed from the first failure.
+            self._recovery["attempts"] += 1
+        else:
+            self._recovery = {"error": type(error).__name__, "failed_grid": str(self.grid), "detected_at": detected,
+                              "detection_s": detected - getattr(self, "_step_issued", detected),
+                              "restart": self.restarts, "attempts": 1}
+        self.controller.to(State.PLANNING)
+        return "latest"
+
+    def _is_worker_failure(self, error: BaseException) -> bool:
+        import ray
+
+        if not isinstance(error, ray.exceptions.RayTaskError) or isinstance(error, ray.exceptions.RayActorError):
+            return True
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, (CollectiveTimeout, torch.distributed.DistBackendError, ConnectionError)):
+            return True
+        if isinstance(cause, RuntimeError) and any(
+                s in str(cause) for s in ("Connection closed", "Connection reset", "connection", "Timed out")):
+            return True  # gloo reports a vanished peer as a RuntimeError
+        return self.group is not None and not self.group.all_alive()
+
+    def _recovered(self) -> None:
+        if self._recovery is not None:
+            self._recovery.update(grid=str(self.grid), resumed_step=self.start_step)
+
+    def _finish_recovery(self, record: StepRecord) -> None:
+        event, self._recovery = self._recovery, None
+        event["recovery_s"] = time.time() - event.pop("detected_at")
+        event["steps_lost"] = max(0, self._steps_done_before_failure() - event["resumed_step"])
+        self.recoveries.append(event)
+        self.log(f"raypar: recovered on {event['grid']} in {event['recovery_s']:.1f}s "
+                 f"(detected after {event['detection_s']:.1f}s, {event['steps_lost']} steps redone)")
+        for callback in self.callbacks:
+            callback.on_recovery(self, event)
+
+    def _steps_done_before_failure(self) -> int:
+        return self._max_step_done
+
+    def _worker_slots(self, resources: dict[str, float]) -> int:
+        cpus = self.cfg.runtime.cpus_per_worker
+        slots = int(resources.get("CPU", 0.0) / cpus + 1e-9)
+        if getattr(self, "device", "cpu") == "cuda":
+            slots = min(slots, int(resources.get("GPU", 0.0)))
+        return slots
+
+    def _can_grow(self) -> bool:
+        import ray
+
+        if not (self.cfg.elastic.enabled and self.cfg.elastic.grow) or self.grid == self.configured_grid:
+            return False
+        slots = self._worker_slots(ray.available_resources()) + self.grid.size
+        plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
+        if plan is not None and plan.grid.size > self.grid.size:
+            self._grow_to = plan
+            return True
+        return False
+
+    def request_stop(self, save: bool = True) -> None:
+        """End the run after the current step (from a callback); with `save`, checkpoint it."""
+        self._stop = True
+        self._stop_save = save and self.cfg.checkpoint.every > 0
+
+    def resume(self, spec: str | None) -> tuple[int, int]:
+        """Load checkpoint `spec` into the workers: (first step to run, consumed samples).
+
+        After a failure `spec` is "latest", which may not exist yet: then the run starts
+        over from step 0 (initialisation is deterministic, so nothing differs).
+        """
+        from raypar.checkpoint import CheckpointError, latest, read_manifest, resolve
+
+        self.start_step = 0
+        if spec is None or (spec == "latest" and self._recovery is not None and latest(self.saver.root) is None):
             return 0, 0
         path = resolve(self.saver.root, spec)
         manifest = read_manifest(path)
         saved_model = manifest.config.get("model", {})
         current = self.cfg.to_dict()["model"]
-        changed = {k: (saved_model.get(k), v) for k, v in current.items() if k != "dtype" and saved_model.get(k) != v}
+        # The dtype and the initial weights may differ; the shapes may not.
+        changed = {k: (saved_model.get(k), v) for k, v in current.items()
+                   if k not in ("dtype", "init_from") and saved_model.get(k) != v}
         if changed:
             raise CheckpointError(
                 f"{path} was written for another model: "
@@ -279,6 +499,7 @@ class Trainer:
             tokens_dropped=sum(r.tokens_dropped for r in reports),
             alltoall_bytes=sum(r.alltoall_bytes for r in reports),
             checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
+            stage_times=stage_times(reports, grid),
         )
 
     def _progress(self, r: StepRecord) -> str:
@@ -314,6 +535,9 @@ class Trainer:
             checkpoints=[{**asdict(c), "write_bytes_per_s": c.write_bytes_per_s} for c in self.saver.results],
             checkpoint_stall_s=sum(r.checkpoint_stall_s for r in records),
             checkpoints_skipped=self.saver.skipped,
+            restarts=self.restarts,
+            recoveries=list(self.recoveries),
+            controller_states=[state.value for _, state, _ in self.controller.history],
             records=records,
         )
 

@@ -12,7 +12,7 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

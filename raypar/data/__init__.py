@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from raypar.data.dataset import DataError, TokenDataset
 from raypar.data.order import SampleOrder, split_batch
+from raypar.data.prepare import prepare_data
 from raypar.data.synthetic import write_synthetic_corpus
 
-__all__ = ["DataError", "SampleOrder", "TokenDataset", "split_batch", "write_synthetic_corpus"]
+__all__ = ["DataError", "SampleOrder", "TokenDataset", "prepare_data", "split_batch", "write_synthetic_corpus"]

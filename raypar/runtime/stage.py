@@ -82,6 +82,11 @@ class StageRuntime:
         self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
+        if cfg.model.init_from:
+            from raypar.hf import load_hf_weights
+
+            names = [n for n, _ in self.model.named_parameters()]  # this stage's and ep rank's share
+            self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model, names=names), strict=True)
         self.model.train()
         self.recompute = cfg.runtime.recompute
         self.model.recompute = self.recompute == "block"

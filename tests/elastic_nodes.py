@@ -1,0 +1,72 @@
+"""Node loss and return on a two-node Ray cluster simulated on this machine.
+
+Run by tests/test_elastic.py in its own process (it needs its own Ray cluster):
+    python tests/elastic_nodes.py TMP_DIR
+Prints SHRANK when the run re-planned onto the surviving node and GREW when it moved back
+to the configured grid after a node was added; exits non-zero on any failure.
+"""
+import sys
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from raypar.callbacks import Callback  # noqa: E402
+from raypar.config import config_from_dict  # noqa: E402
+from raypar.data import write_synthetic_corpus  # noqa: E402
+from raypar.trainer import Trainer  # noqa: E402
+
+
+class NodeChaos(Callback):
+    def __init__(self, cluster, doomed):
+        self.cluster, self.doomed, self.grids = cluster, doomed, []
+
+    def on_step_end(self, trainer, record):
+        self.grids.append(str(trainer.grid))
+        if record.step == 3 and self.doomed is not None:
+            print("removing a node", flush=True)
+            self.cluster.remove_node(self.doomed, allow_graceful=False)
+            self.doomed = None
+        elif record.step == 5 and len(self.cluster.list_all_nodes()) == 2:
+            print("adding a node", flush=True)
+            self.cluster.add_node(num_cpus=1)
+
+
+def main(tmp: Path) -> int:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    doomed = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        data = write_synthetic_corpus(tmp / "nodes-data.parquet", 256, 8, 64, seed=1)
+        cfg = config_from_dict({
+            "model": {"vocab_size": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 16},
+            "parallel": {"dp": 2, "pp": 2, "microbatches": 2},
+            "train": {"steps": 12, "global_batch_size": 8},
+            "data": {"path": str(data), "seq_len": 8},
+            "runtime": {"run_dir": str(tmp / "nodes-run"), "device": "cpu", "cpus_per_worker": 0.5,
+                        "collective_timeout_s": 30.0, "placement_timeout_s": 30.0},
+            "checkpoint": {"every": 2},
+            "elastic": {"enabled": True, "resource_timeout_s": 30.0},
+        })
+        chaos = NodeChaos(cluster, doomed)
+        summary = Trainer(cfg, callbacks=[chaos]).fit()
+        print("grids per step:", chaos.grids, flush=True)
+        print("recoveries:", summary.recoveries, flush=True)
+        print("states:", summary.controller_states, flush=True)
+        assert sorted({r.step for r in summary.records}) == list(range(12))
+        if any(r["grid"] == "dp=1 x pp=2 x ep=1" for r in summary.recoveries):
+            print("SHRANK")
+        if "GROWING" in summary.controller_states and chaos.grids[-1] == "dp=2 x pp=2 x ep=1":
+            print("GREW")
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

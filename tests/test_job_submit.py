@@ -1,0 +1,117 @@
+"""`ray job submit` end to end: a head started with `ray start`, a job that trains and
+checkpoints, its logs, and `ray job stop` leaving no actors and an intact checkpoint."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raypar.checkpoint import CheckpointReader, latest, list_committed
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def head(tmp_path):
+    """A Ray head in its own temp dir (so plain `ray.init()` elsewhere never finds it)."""
+    gcs, dash = _free_port(), _free_port()
+    temp = Path("/tmp") / f"raypar-job-{os.getpid()}"
+    # Ray turns token authentication on for new clusters; its job CLI sends the token
+    # (from ~/.ray/auth_token) only when told that the mode is "token".
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.Popen(
+        [*RAY, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"],
+        stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            ok = subprocess.run([*RAY, "job", "list", "--address", address], capture_output=True, env=env)
+            if ok.returncode == 0:
+                break
+            assert proc.poll() is None, (tmp_path / "head.log").read_text()[-2000:]
+            time.sleep(1)
+        else:
+            pytest.fail("the Ray head's job server did not come up in 90 s")
+        yield address, f"127.0.0.1:{gcs}", env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the head and everything it started, nothing else
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _job(address, env, command, *args, timeout=180):
+    return subprocess.run([*RAY, "job", command, "--address", address, *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def _submit(address, env, run_dir, steps, extra=()):
+    deadline = time.monotonic() + 90
+    while True:
+        out = _job(address, env, "submit", "--no-wait", "--working-dir", str(ROOT), "--",
+                   sys.executable, "-m", "raypar.train", "--config", "configs/tiny.yaml", f"train.steps={steps}",
+                   "runtime.cpus_per_worker=0.5", "runtime.log_every=1", f"runtime.run_dir={run_dir}", *extra)
+        # The job server answers before the node's job agent is up; Ray says to retry.
+        if out.returncode == 0 or "No available agent" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert out.returncode == 0, out.stderr
+    return re.search(r"raysubmit_[A-Za-z0-9]+", out.stdout + out.stderr).group(0)
+
+
+def _status(address, env, job_id) -> str:
+    out = _job(address, env, "status", job_id)
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr).lower()
+
+
+@pytest.mark.timeout(600)
+def test_job_submit_runs_to_completion_and_stop_is_clean(head, tmp_path):
+    address, gcs, env = head
+    job = _submit(address, env, tmp_path / "done", steps=3)
+    logs = _job(address, env, "logs", "--follow", job, timeout=300)
+    assert "step 3/3" in logs.stdout and "final loss" in logs.stdout, logs.stdout[-3000:]
+    assert "succeeded" in _status(address, env, job)
+
+    # A long job, stopped once it has committed a checkpoint.
+    run_dir = tmp_path / "stopped"
+    job = _submit(address, env, run_dir, steps=100000, extra=["checkpoint.every=3"])
+    deadline = time.monotonic() + 240
+    while not list_committed(run_dir / "checkpoints"):
+        assert time.monotonic() < deadline, _job(address, env, "logs", job).stdout[-3000:]
+        time.sleep(1)
+    assert _job(address, env, "stop", job).returncode == 0
+    deadline = time.monotonic() + 60
+    while "stopped" not in _status(address, env, job):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    # Its actors went with its driver.
+    count = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+             "from ray.util.state import list_actors; "
+             "print(len(list_actors(filters=[('state', '=', 'ALIVE'), ('ray_namespace', '!=', '_ray_internal_')])))")
+    deadline = time.monotonic() + 60
+    while True:
+        alive = subprocess.run([sys.executable, "-c", count, gcs], capture_output=True, text=True, env=env, timeout=60)
+        assert alive.returncode == 0, alive.stderr[-2000:]
+        if alive.stdout.strip().splitlines()[-1] == "0":
+            break
+        assert time.monotonic() < deadline, f"actors still alive after ray job stop: {alive.stdout}"
+        time.sleep(2)
+    # The last committed checkpoint is intact and loads.
+    with CheckpointReader(latest(run_dir / "checkpoints")) as reader:
+        assert reader.read("embed.weight").shape[1] == 64
