@@ -70,9 +70,8 @@ def export_hf(
                 weight_map[dst] = file
                 total += nbytes
             store.atomic_write(
-                out_dir / file, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
+                out_dir / file, lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"})
             )
-            del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     text = json.dumps(index, indent=2) + "\n"
     # The index goes last: it is what points a loader at the new files.

@@ -69,6 +69,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from raypar.progress import format_status, read_status
+
+    try:
+        print(format_status(read_status(args.run_dir)))
+    except FileNotFoundError as e:
+        print(f"raypar: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypar", description="Pipeline-parallel training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="name tensors as transformers' Llama/Mixtral and write config.json (loadable by from_pretrained)")
     export.add_argument("--ema", action="store_true", help="export the EMA weights instead (with --hf)")
     export.set_defaults(func=_export)
+
+    status = sub.add_parser("status", help="show a run's grid, state, step and last checkpoint",
+                            description="Reads RUN_DIR/status.json, which a run rewrites after every step.")
+    status.add_argument("run_dir", help="the run's runtime.run_dir")
+    status.set_defaults(func=_status)
 
     from raypar.timeline import add_parser as add_timeline_parser
 

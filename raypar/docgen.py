@@ -224,9 +224,8 @@ choices or an impossible combination (for example a batch that does not split in
 grid's micro-batches) raises `ConfigError` naming the key; [troubleshooting](troubleshooting.md#configuration)
 lists every such message.
 
-Defaults are shown as they are written in YAML (`null` is Python's `None`). Write floats
-with a decimal point, `1.0e-5` rather than `1e-5`: YAML 1.1, which PyYAML implements,
-reads `1e-5` as a string, and a string is rejected where a number is expected.
+Defaults are shown as they are written in YAML (`null` is Python's `None`). Numbers such
+as `1e-5`, which YAML 1.1 reads as strings, are accepted wherever a number is expected.
 """
 
 

@@ -99,6 +99,7 @@ class Saver:
         except Exception as e:  # noqa: BLE001 - a failed save must not stop training
             self.results.append(SaveResult(step, None, 0, 0.0, time.perf_counter() - t0, error=repr(e)[:500]))
             self._writers_failed = True
+            self.on_result(self.results[-1])
             self.log(f"checkpoint: saving step {step} failed ({type(e).__name__}); its partial files are "
                      f"removed at the next save, the last committed checkpoint stays valid")
             return

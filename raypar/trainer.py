@@ -25,6 +25,7 @@ from raypar.callbacks import Callback, as_callbacks
 from raypar.runtime.comm import CollectiveTimeout
 from raypar.elastic import Plan, State, StateMachine, plan_grid, with_plan
 from raypar.metrics.exporter import stage_times
+from raypar.progress import Progress, write_status
 from raypar.saver import Saver
 from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
 from raypar.topology import Grid
@@ -136,7 +137,8 @@ class Trainer:
         self.grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
         # Plain functions count as step-end hooks.
         self.callbacks = as_callbacks(callbacks)
-        self.log = log or (lambda s: print(s, flush=True))
+        self.progress = Progress(cfg.train.steps, cfg.runtime.log_every)
+        self.log = log or self.progress.message
         self.run_dir = Path(cfg.runtime.run_dir).resolve()
         if cfg.model.init_from:
             # Workers may run elsewhere with another working directory: pass an absolute path.
@@ -293,9 +295,11 @@ class Trainer:
                         continue
                     break
             self.controller.to(State.FINISHED)
+            self._write_status(self._max_step_done, records[-1].loss if records else None)
         except BaseException as e:
             if self.controller.state not in (State.FINISHED, State.FAILED):
                 self.controller.to(State.FAILED, repr(e)[:200])
+                self._write_status(self._max_step_done)
             raise
         finally:
             self.shutdown()
@@ -331,8 +335,8 @@ class Trainer:
                 self._finish_recovery(record)
             metrics.write(json.dumps(asdict(record)) + "\n")
             metrics.flush()
-            if step % self.cfg.runtime.log_every == 0 or step == self.cfg.train.steps - 1:
-                self.log(self._progress(record))
+            self.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
+            self._write_status(step + 1, record.loss)
             for callback in self.callbacks:
                 callback.on_step_end(self, record)
             if len(self.saver.results) > committed:
@@ -373,7 +377,7 @@ class Trainer:
         else:
             self._recovery = {"error": type(error).__name__, "failed_grid": str(self.grid), "detected_at": detected,
                               "detection_s": detected - getattr(self, "_step_issued", detected),
-                              "restart": self.restarts, "attempts": 1}
+                              "restart": self.restarts, "attempts": 1, "steps_done": self._max_step_done}
         self.controller.to(State.PLANNING)
         return "latest"
 
@@ -397,20 +401,21 @@ class Trainer:
     def _finish_recovery(self, record: StepRecord) -> None:
         event, self._recovery = self._recovery, None
         event["recovery_s"] = time.time() - event.pop("detected_at")
-        event["steps_lost"] = max(0, self._steps_done_before_failure() - event["resumed_step"])
+        # Steps done before the failure that the run had to do again from the checkpoint.
+        event["steps_lost"] = max(0, event.pop("steps_done") - event["resumed_step"])
         self.recoveries.append(event)
         self.log(f"raypar: recovered on {event['grid']} in {event['recovery_s']:.1f}s "
                  f"(detected after {event['detection_s']:.1f}s, {event['steps_lost']} steps redone)")
         for callback in self.callbacks:
             callback.on_recovery(self, event)
 
-    def _steps_done_before_failure(self) -> int:
-        return self._max_step_done
-
     def _worker_slots(self, resources: dict[str, float]) -> int:
         cpus = self.cfg.runtime.cpus_per_worker
         slots = int(resources.get("CPU", 0.0) / cpus + 1e-9)
-        if getattr(self, "device", "cpu") == "cuda":
+        device = self.cfg.runtime.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        if device == "cuda":
             slots = min(slots, int(resources.get("GPU", 0.0)))
         return slots
 
@@ -502,9 +507,12 @@ class Trainer:
             stage_times=stage_times(reports, grid),
         )
 
-    def _progress(self, r: StepRecord) -> str:
-        return (f"step {r.step + 1}/{self.cfg.train.steps}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
-                f"grad_norm {r.grad_norm:.3f}  {r.tokens_per_s:,.0f} tokens/s  {r.step_time_s * 1000:.0f} ms")
+    def _write_status(self, step: int, loss: float | None = None) -> None:
+        ok = [r for r in self.saver.results if r.error is None]
+        write_status(self.run_dir, run_dir=str(self.run_dir), state=self.controller.state.value, grid=str(self.grid),
+                     schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
+                     device=getattr(self, "device", None), step=step, total_steps=self.cfg.train.steps,
+                     loss=loss, last_checkpoint=ok[-1].path if ok else None, restarts=self.restarts)
 
     def _summarise(self, records: list[StepRecord], consumed: int) -> RunSummary:
         # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
@@ -525,8 +533,11 @@ class Trainer:
             bubble_measured=avg("bubble_measured"),
             bubble_simulated=avg("bubble_simulated"),
             control_overhead=avg("control_overhead"),
-            peak_activation_bytes=[max((r.peak_activation_bytes[s] for r in records), default=0) for s in stages],
-            peak_device_bytes=[max((r.peak_device_bytes[s] for r in records), default=0) for s in stages],
+            # Per stage of the final grid; steps run on a deeper grid before a re-plan count where they fit.
+            peak_activation_bytes=[max((r.peak_activation_bytes[s] for r in records if s < len(r.peak_activation_bytes)),
+                                       default=0) for s in stages],
+            peak_device_bytes=[max((r.peak_device_bytes[s] for r in records if s < len(r.peak_device_bytes)),
+                                   default=0) for s in stages],
             consumed_samples=consumed,
             expert_tokens=_sum_expert_tokens(r.expert_tokens for r in records),
             tokens_dropped=sum(r.tokens_dropped for r in records),

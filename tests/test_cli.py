@@ -28,3 +28,7 @@ def test_default_job_runs_and_prints_the_summary(tmp_path):
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert records[-1]["loss"] < records[0]["loss"]
+    status = subprocess.run([sys.executable, "-m", "raypar", "status", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "FINISHED" in status.stdout and "dp=1 x pp=2 x ep=1" in status.stdout and "4/4" in status.stdout

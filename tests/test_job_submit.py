@@ -26,14 +26,17 @@ def _free_port() -> int:
 @pytest.fixture
 def head(tmp_path):
     """A Ray head in its own temp dir (so plain `ray.init()` elsewhere never finds it)."""
-    gcs, dash = _free_port(), _free_port()
+    # Every port the head opens is a free one: the tests' own Ray instance already holds
+    # the defaults (e.g. its dashboard agent on 52365), and a clash leaves no job agent.
+    gcs, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     temp = Path("/tmp") / f"raypar-job-{os.getpid()}"
     # Ray turns token authentication on for new clusters; its job CLI sends the token
     # (from ~/.ray/auth_token) only when told that the mode is "token".
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen(
         [*RAY, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
-         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"],
+         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}",
+         f"--ray-client-server-port={client}", f"--temp-dir={temp}"],
         stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
