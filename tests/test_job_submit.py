@@ -50,7 +50,7 @@ def head(tmp_path):
             time.sleep(1)
         else:
             pytest.fail("the Ray head's job server did not come up in 90 s")
-        yield address, f"127.0.0.1:{gcs}", env
+        yield address, env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the head and everything it started, nothing else
         try:
@@ -83,9 +83,19 @@ def _status(address, env, job_id) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr).lower()
 
 
+def _live_actors(address, env) -> int:
+    """raypar actors alive on the cluster, from Ray's state API."""
+    count = ("import sys; from ray.util.state import list_actors; "
+             "alive = list_actors(address=sys.argv[1], filters=[('state', '=', 'ALIVE')], raise_on_missing_output=False); "
+             "print(sum(a.class_name in ('StageWorker', 'CheckpointWriter') for a in alive))")
+    out = subprocess.run([sys.executable, "-c", count, address], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(600)
 def test_job_submit_runs_to_completion_and_stop_is_clean(head, tmp_path):
-    address, gcs, env = head
+    address, env = head
     job = _submit(address, env, tmp_path / "done", steps=3)
     logs = _job(address, env, "logs", "--follow", job, timeout=300)
     assert "step 3/3" in logs.stdout and "final loss" in logs.stdout, logs.stdout[-3000:]
@@ -98,22 +108,16 @@ def test_job_submit_runs_to_completion_and_stop_is_clean(head, tmp_path):
     while not list_committed(run_dir / "checkpoints"):
         assert time.monotonic() < deadline, _job(address, env, "logs", job).stdout[-3000:]
         time.sleep(1)
+    assert _live_actors(address, env) >= 2  # the stage workers (and the checkpoint writer) are up
     assert _job(address, env, "stop", job).returncode == 0
     deadline = time.monotonic() + 60
     while "stopped" not in _status(address, env, job):
         assert time.monotonic() < deadline
         time.sleep(1)
     # Its actors went with its driver.
-    count = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-             "from ray.util.state import list_actors; "
-             "print(len(list_actors(filters=[('state', '=', 'ALIVE'), ('ray_namespace', '!=', '_ray_internal_')])))")
     deadline = time.monotonic() + 60
-    while True:
-        alive = subprocess.run([sys.executable, "-c", count, gcs], capture_output=True, text=True, env=env, timeout=60)
-        assert alive.returncode == 0, alive.stderr[-2000:]
-        if alive.stdout.strip().splitlines()[-1] == "0":
-            break
-        assert time.monotonic() < deadline, f"actors still alive after ray job stop: {alive.stdout}"
+    while _live_actors(address, env):
+        assert time.monotonic() < deadline, "raypar actors still alive 60 s after ray job stop"
         time.sleep(2)
     # The last committed checkpoint is intact and loads.
     with CheckpointReader(latest(run_dir / "checkpoints")) as reader:
