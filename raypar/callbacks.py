@@ -21,6 +21,9 @@ class Callback:
     def on_checkpoint(self, trainer: "Trainer", result: "SaveResult") -> None:
         """A save committed (or failed: `result.error` says why)."""
 
+    def on_state_change(self, trainer: "Trainer", state: str) -> None:
+        """The controller entered `state` (PLANNING, STARTING, RUNNING, RECOVERING, ...)."""
+
     def on_recovery(self, trainer: "Trainer", event: dict[str, Any]) -> None:
         """The run recovered from a failure: what failed, the new grid, the times."""
 

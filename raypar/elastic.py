@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from raypar.config import Config, ConfigError, validate
 from raypar.topology import Grid
@@ -40,12 +41,15 @@ TRANSITIONS = {
 class StateMachine:
     state: State = State.PLANNING
     history: list[tuple[float, State, str]] = field(default_factory=list)
+    on_change: Callable[[State, str], None] | None = None  # logging and metrics
 
     def to(self, new: State, why: str = "") -> None:
         if new not in TRANSITIONS[self.state]:
             raise RuntimeError(f"controller cannot go from {self.state.value} to {new.value}")
         self.state = new
         self.history.append((time.time(), new, why))
+        if self.on_change is not None:
+            self.on_change(new, why)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class StepRecord:
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # per MoE layer, per expert
     tokens_dropped: int = 0
     alltoall_bytes: int = 0
+    alltoall_s: float | None = None  # slowest worker's host time in all-to-all (MoE with ep > 1)
     checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
     stage_times: list = field(default_factory=list)  # per worker: forward, backward, idle seconds
 
@@ -76,6 +77,7 @@ class RunSummary:
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # summed over steps
     tokens_dropped: int = 0
     alltoall_bytes_per_step: float = 0.0
+    alltoall_s_per_step: float = 0.0
     start_step: int = 0  # > 0 when resumed from a checkpoint
     checkpoints: list[dict] = field(default_factory=list)  # one per save: step, path, bytes, timings
     checkpoint_stall_s: float = 0.0  # total time the loop was held up by saves
@@ -107,7 +109,10 @@ class RunSummary:
                 share = " ".join(f"{c / total:.2f}" for c in counts)
                 lines.append(f"experts, layer {layer:<5} token share {share}  (max/mean {max(counts) * len(counts) / total:.2f})")
             lines.append(f"tokens dropped      {self.tokens_dropped}")
-            lines.append(f"all-to-all          {self.alltoall_bytes_per_step / 2**20:.2f} MiB per step")
+            a2a = f"all-to-all          {self.alltoall_bytes_per_step / 2**20:.2f} MiB per step"
+            if self.alltoall_s_per_step and self.step_time_s:
+                a2a += f", {self.alltoall_s_per_step * 1000:.1f} ms ({self.alltoall_s_per_step / self.step_time_s:.1%} of a step)"
+            lines.append(a2a)
         if self.checkpoints or self.checkpoints_skipped:
             ok = [c for c in self.checkpoints if not c["error"]]
             per_save = self.checkpoint_stall_s / max(1, len(self.checkpoints))
@@ -153,7 +158,7 @@ class Trainer:
         self.start_step = 0
         self.base_cfg = cfg  # the configured grid; elastic re-plans derive from it
         self.configured_grid = self.grid
-        self.controller = StateMachine()
+        self.controller = StateMachine(on_change=self._state_changed)
         self.recoveries: list[dict] = []
         self.restarts = 0
         self._recovery: dict | None = None
@@ -381,6 +386,12 @@ class Trainer:
         self.controller.to(State.PLANNING)
         return "latest"
 
+    def _state_changed(self, state: State, why: str) -> None:
+        with open(self.run_dir / "controller.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "state": state.value, "why": why}) + "\n")
+        for callback in self.callbacks:
+            callback.on_state_change(self, state.value)
+
     def _is_worker_failure(self, error: BaseException) -> bool:
         import ray
 
@@ -503,6 +514,7 @@ class Trainer:
             expert_tokens=_sum_expert_tokens(r.expert_tokens for r in reports),
             tokens_dropped=sum(r.tokens_dropped for r in reports),
             alltoall_bytes=sum(r.alltoall_bytes for r in reports),
+            alltoall_s=max(r.alltoall_s for r in reports) if grid.ep > 1 else None,
             checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
             stage_times=stage_times(reports, grid),
         )
@@ -542,6 +554,8 @@ class Trainer:
             expert_tokens=_sum_expert_tokens(r.expert_tokens for r in records),
             tokens_dropped=sum(r.tokens_dropped for r in records),
             alltoall_bytes_per_step=avg("alltoall_bytes"),
+            alltoall_s_per_step=fmean(r.alltoall_s for r in steady if r.alltoall_s is not None) if any(
+                r.alltoall_s is not None for r in steady) else 0.0,
             start_step=self.start_step,
             checkpoints=[{**asdict(c), "write_bytes_per_s": c.write_bytes_per_s} for c in self.saver.results],
             checkpoint_stall_s=sum(r.checkpoint_stall_s for r in records),

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from raypar.checkpoint.store import atomic_write
 
 from raypar.data.dataset import META_SEQ_LEN, META_VOCAB_SIZE, TOKENS_COLUMN, DataError
 
@@ -185,26 +186,8 @@ def _documents(files: list[pathlib.Path], text_column: str) -> tuple[int, Iterat
 
 
 def _write_atomically(target: pathlib.Path, table: pa.Table) -> None:
-    # Hidden, non-.parquet temp name: a directory reader never picks it up, even orphaned.
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    tmp = pathlib.Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename durable where the platform allows it
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
+    # The temp file's .tmp suffix keeps directory readers (*.parquet) off it, even orphaned.
+    atomic_write(target, lambda tmp: pq.write_table(table, tmp))
 
 
 def _rows_table(stream: np.ndarray, width: int, metadata: dict[bytes, bytes]) -> pa.Table:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from raypar.checkpoint.store import atomic_write
 
 from raypar.data.dataset import META_SEQ_LEN, META_VOCAB_SIZE, TOKENS_COLUMN
 
@@ -81,20 +82,6 @@ def _tokens_table(tokens: np.ndarray, metadata: dict[bytes, bytes]) -> pa.Table:
     return pa.Table.from_arrays([column], names=[TOKENS_COLUMN]).replace_schema_metadata(metadata)
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
-    # Makes the rename itself durable; not every platform/filesystem allows it.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_synthetic_corpus(
     path: str | os.PathLike,
     num_samples: int,
@@ -131,18 +118,6 @@ def write_synthetic_corpus(
         },
     )
 
-    # Hidden name and non-.parquet suffix: a directory reader never picks up the
-    # temp file, even one orphaned by a crash.
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    tmp = pathlib.Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
+    # The temp file's .tmp suffix keeps directory readers (*.parquet) off it, even orphaned.
+    atomic_write(target, lambda tmp: pq.write_table(table, tmp))
     return target

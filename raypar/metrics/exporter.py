@@ -434,6 +434,11 @@ class MetricsExporter(Callback):
     def on_checkpoint(self, trainer: Any, result: Any) -> None:
         self.observe_save(result)
 
+    def on_state_change(self, trainer: Any, state: str) -> None:
+        from raypar.elastic import State
+
+        self.set_controller_state(state, [s.value for s in State])
+
     def on_recovery(self, trainer: Any, event: Mapping[str, Any]) -> None:
         """event: "detection_s" (failure to noticing it) and "recovery_s" (to steps running again)."""
         self.observe_restart(event.get("detection_s"), event.get("recovery_s"))

@@ -14,6 +14,7 @@ every collective, also with zero rows to send or receive.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ class MoEStats:
         self.routed: Tensor | None = None  # assignments per global expert (before capacity)
         self.dropped: Tensor | None = None  # assignments dropped by the capacity limit
         self.alltoall_bytes = 0  # bytes this rank sent to other ranks, forward and backward
+        # Host time in the exchanges (counts and rows, forward and backward). On GPU this
+        # is launch time plus the waits the split sizes force, not kernel time.
+        self.alltoall_s = 0.0
 
     def add(self, routed: Tensor, dropped: Tensor) -> None:
         routed, dropped = routed.detach(), dropped.detach()
@@ -46,16 +50,20 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, stats: MoEStats) -> Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.stats = send, recv, group, stats
+        t0 = time.perf_counter()
         out = x.new_empty((sum(recv), x.shape[1]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         stats.alltoall_bytes += _remote_bytes(send, group, x)
+        stats.alltoall_s += time.perf_counter() - t0
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        t0 = time.perf_counter()
         out = g.new_empty((sum(ctx.send), g.shape[1]))
         dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         ctx.stats.alltoall_bytes += _remote_bytes(ctx.recv, ctx.group, g)
+        ctx.stats.alltoall_s += time.perf_counter() - t0
         return out, None, None, None, None
 
 
@@ -174,11 +182,13 @@ class MoE(nn.Module):
     def _exchange_and_run(self, rows: Tensor, counts: Tensor) -> Tensor:
         group, ep, local = self.ep_group, self.ep_size, self.local
         # Counts first: how many rows each rank will send to each of my experts.
+        t0 = time.perf_counter()
         send_counts = counts.reshape(ep, local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
         send = send_counts.sum(dim=1).tolist()
         recv = recv_counts.sum(dim=1).tolist()
+        self.stats.alltoall_s += time.perf_counter() - t0
         received = _AllToAll.apply(rows, send, recv, group, self.stats)
         # Received rows are grouped by source rank, then expert; regroup by expert.
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.flatten())

@@ -50,6 +50,7 @@ class StepReport:
     expert_tokens: dict[str, list[int]]  # per MoE layer: this rank's token assignments per expert
     tokens_dropped: int  # assignments over capacity, summed over MoE layers
     alltoall_bytes: int  # sent to other ranks of the ep group, forward and backward
+    alltoall_s: float  # host time in all-to-all exchanges
     grad_norm: float
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
@@ -175,6 +176,7 @@ class StageRuntime:
                          if m.stats.routed is not None}
         dropped = sum(int(m.stats.dropped) for m in self.moe_layers.values() if m.stats.dropped is not None)
         a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
+        a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
         self.tracker.clear()
         inputs.clear(), outputs.clear(), grad_out.clear()
         return StepReport(
@@ -186,7 +188,7 @@ class StageRuntime:
             peak_activation_bytes=peak_act,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             peak_live_microbatches=peak_live, released_outputs=released,
-            expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a,
+            expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
             grad_norm=grad_norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
         )
 
