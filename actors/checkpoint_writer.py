@@ -8,7 +8,17 @@ import numpy as np
 import ray
 import torch
 
-from raypar.checkpoint import Manifest, checkpoint_dir, cleanup_uncommitted, commit, merge_entries, rotate, write_shard
+from raypar.checkpoint import (
+    CheckpointReader,
+    Manifest,
+    checkpoint_dir,
+    cleanup_uncommitted,
+    commit,
+    is_model_weight,
+    merge_entries,
+    rotate,
+    write_shard,
+)
 
 
 def to_wire(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
@@ -40,14 +50,46 @@ def from_wire(wire: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor
 
 @ray.remote
 class CheckpointWriter:
-    def __init__(self, root: str, keep_last: int):
+    def __init__(self, root: str, keep_last: int, ema_decay: float = 0.0):
         self.root = root
         self.keep_last = keep_last
+        self.ema_decay = ema_decay
+        self.ema: dict[str, torch.Tensor] = {}  # fp32, for the weights this node's workers write
 
-    def write(self, step: int, rank: int, wire: dict) -> dict:
-        """Write one worker's share as `shard-<rank>.safetensors` of checkpoint `step`."""
+    def update_ema(self, wire: dict) -> int:
+        """Fold one worker's weights into the EMA; returns how many tensors it updated."""
+        return self._update_ema(from_wire(wire))
+
+    def _update_ema(self, tensors: dict[str, torch.Tensor]) -> int:
+        n = 0
+        for name, w in tensors.items():
+            if not is_model_weight(name):
+                continue
+            if name not in self.ema:
+                self.ema[name] = w.float().clone()  # the first update starts the average
+            else:
+                self.ema[name].lerp_(w.float(), 1.0 - self.ema_decay)
+            n += 1
+        return n
+
+    def load_ema(self, path: str, names: list[str]) -> int:
+        """Resume the EMA of `names` from a checkpoint's ema.<name> tensors (if it has them)."""
+        with CheckpointReader(path) as reader:
+            saved = set(reader.names())
+            for name in names:
+                if f"ema.{name}" in saved:
+                    self.ema[name] = reader.read(f"ema.{name}").float()
+        return len(self.ema)
+
+    def write(self, step: int, rank: int, wire: dict, update_ema: bool = False) -> dict:
+        """Write one worker's share as `shard-<rank>.safetensors` of checkpoint `step`
+        (with the EMA of its weights when one is kept)."""
         t0 = time.perf_counter()
         tensors = from_wire(wire)
+        if update_ema:
+            self._update_ema(tensors)
+        if self.ema:
+            tensors.update({f"ema.{n}": self.ema[n] for n in list(tensors) if n in self.ema})
         pieces = [(name, t, (0,) * t.ndim, tuple(t.shape)) for name, t in tensors.items()]
         results = write_shard(checkpoint_dir(self.root, step), f"shard-{rank:05d}.safetensors", pieces)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -83,6 +83,12 @@ class StageWorker:
             missing = self.runtime.load_checkpoint(reader.read, names, same_grid)
         return {"rank": self.rank, "missing_optimizer_state": len(missing)}
 
+    def owned_weight_names(self) -> list[str]:
+        """The weights this worker writes to checkpoints (one writer per replicated tensor)."""
+        from raypar.runtime.state import writes
+
+        return [n for n, _ in self.runtime.model.named_parameters() if writes(self.grid.coord(self.rank), n)]
+
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         from raypar.runtime.state import state_tensors
 

@@ -80,7 +80,7 @@ class WorkerGroup:
             if node not in self._writers:
                 self._writers[node] = CheckpointWriter.options(
                     num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                ).remote(root, self.cfg.checkpoint.keep_last)
+                ).remote(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.ema_decay)
         return self._writers
 
     def snapshot(self, step: int, options: dict) -> None:
@@ -100,16 +100,42 @@ class WorkerGroup:
             ray.kill(w)
         self._writers = {}
 
-    def save(self, root: str, step: int, meta: dict):
+    def save(self, root: str, step: int, meta: dict, update_ema: bool = False):
         """Hand each worker's snapshot to its node's writer; returns the commit's ObjectRef.
 
         Nothing here waits: workers export on their I/O thread while they train on, writers
         write as snapshots arrive, and the commit runs once every shard is written.
         """
         writers = self.writers(root)
-        written = [writers[info["node_id"]].write.remote(step, rank, w.export_snapshot.remote())
-                   for rank, (w, info) in enumerate(zip(self.workers, self.info))]
+        self._exports = [w.export_snapshot.remote() for w in self.workers]
+        written = [writers[info["node_id"]].write.remote(step, rank, export, update_ema)
+                   for rank, (export, info) in enumerate(zip(self._exports, self.info))]
         return writers[self.info[0]["node_id"]].commit.remote(step, meta, *written)
+
+    def update_ema(self, root: str) -> None:
+        """Fold the snapshot just taken into the writers' EMA (no waiting)."""
+        writers = self.writers(root)
+        self._exports = [w.export_snapshot.remote() for w in self.workers]
+        for export, info in zip(self._exports, self.info):
+            writers[info["node_id"]].update_ema.remote(export)
+
+    def wait_exports(self, timeout: float) -> float:
+        """Block until the last snapshot left every worker: its host buffers get reused next."""
+        t0 = time.perf_counter()
+        exports, self._exports = getattr(self, "_exports", []), []
+        if exports:
+            ray.wait(exports, num_returns=len(exports), timeout=timeout)
+        return time.perf_counter() - t0
+
+    def load_ema(self, root: str, path: str) -> None:
+        """Give each node's writer the EMA its workers' weights had in checkpoint `path`."""
+        writers = self.writers(root)
+        names = ray.get([w.owned_weight_names.remote() for w in self.workers])
+        by_node: dict[str, list[str]] = {}
+        for owned, info in zip(names, self.info):
+            by_node.setdefault(info["node_id"], []).extend(owned)
+        ray.get([writers[node].load_ema.remote(path, owned) for node, owned in by_node.items()],
+                timeout=self.cfg.checkpoint.timeout_s)
 
     def load_checkpoint(self, path: str, same_grid: bool) -> list[dict]:
         return ray.get([w.load_checkpoint.remote(path, same_grid) for w in self.workers],

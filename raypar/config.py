@@ -127,6 +127,10 @@ class CheckpointConfig:
     when_busy: Literal["wait", "skip"] = "wait"  # a save due while the last is still writing
     timeout_s: float = 600.0  # longest wait for a save to commit or a load to finish
     resume: str | None = None  # "latest", a checkpoint path or a step: continue from it
+    # An exponential moving average of the weights, kept in host memory by the checkpoint
+    # writers and saved as ema.<name>: 0 disables it, else ema = decay * ema + (1 - decay) * w.
+    ema_decay: float = 0.0
+    ema_every: int = 1  # update the EMA after every N steps
 
 
 @dataclass
@@ -288,6 +292,11 @@ def validate(cfg: Config) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     c = cfg.checkpoint
+    if not 0.0 <= c.ema_decay < 1.0 or c.ema_every < 1:
+        raise ConfigError(f"checkpoint.ema_decay={c.ema_decay} must be in [0, 1) and checkpoint.ema_every={c.ema_every} >= 1")
+    if c.ema_decay and not c.every:
+        raise ConfigError("checkpoint.ema_decay is set but checkpoint.every=0: the EMA is kept by the checkpoint "
+                          "writers and saved with checkpoints; set checkpoint.every")
     if c.every < 0 or c.keep_last < 1 or c.timeout_s <= 0:
         raise ConfigError(f"checkpoint.every={c.every} must be >= 0, checkpoint.keep_last={c.keep_last} >= 1, "
                           f"checkpoint.timeout_s={c.timeout_s} > 0")

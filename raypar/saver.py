@@ -49,6 +49,10 @@ class Saver:
     def snapshot_options(self) -> dict:
         return {"save_optimizer": self.cfg.checkpoint.save_optimizer, "save_master": self.cfg.checkpoint.save_master}
 
+    def ema_due(self, steps_done: int) -> bool:
+        c = self.cfg.checkpoint
+        return c.ema_decay > 0 and steps_done % c.ema_every == 0
+
     def ready_for(self) -> tuple[bool, float]:
         """May a save start now? Returns (go, seconds the loop was held up deciding)."""
         self.poll()
@@ -71,7 +75,7 @@ class Saver:
             ray.get([w.cleanup.remote() for w in group.writers(str(self.root)).values()],
                     timeout=self.cfg.checkpoint.timeout_s)
 
-    def begin(self, group, steps_done: int, consumed: int) -> None:
+    def begin(self, group, steps_done: int, consumed: int, update_ema: bool = False) -> None:
         from raypar.checkpoint import checkpoint_dir
 
         if self._writers_failed:
@@ -82,7 +86,7 @@ class Saver:
         meta = {"consumed_samples": consumed, "config": self.cfg.to_dict(),
                 "topology": {"dp": self.grid.dp, "pp": self.grid.pp, "ep": self.grid.ep},
                 "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
-        self._pending = (steps_done, group.save(str(self.root), steps_done, meta), time.perf_counter())
+        self._pending = (steps_done, group.save(str(self.root), steps_done, meta, update_ema), time.perf_counter())
 
     def poll(self, timeout: float = 0.0) -> None:
         import ray

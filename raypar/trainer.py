@@ -321,18 +321,26 @@ class Trainer:
             if self._stop:
                 break
             save = self.saver.due(step + 1)
+            ema = self.saver.ema_due(step + 1)
             stall = 0.0
             if save:
                 save, stall = self.saver.ready_for()
+            snapshot = None
+            if save or ema:
+                # The last snapshot's buffers are reused: it must have left the workers.
+                stall += self.group.wait_exports(self.cfg.checkpoint.timeout_s)
+                snapshot = self.saver.snapshot_options() if save else {"save_optimizer": False, "save_master": False}
             self._step_issued = time.time()
-            record = self.train_step(step, order, consumed, events, snapshot=save)
+            record = self.train_step(step, order, consumed, events, snapshot=snapshot)
             consumed = record.consumed_samples
+            t0 = time.perf_counter()
             if save:
-                t0 = time.perf_counter()
-                self.saver.begin(self.group, step + 1, consumed)
-                stall += time.perf_counter() - t0
+                self.saver.begin(self.group, step + 1, consumed, update_ema=ema)
+            elif ema:
+                self.group.update_ema(str(self.saver.root))
             else:
                 self.saver.poll()
+            stall += time.perf_counter() - t0
             record.checkpoint_stall_s += stall
             records.append(record)
             self._max_step_done = max(self._max_step_done, step + 1)
@@ -472,13 +480,15 @@ class Trainer:
             )
         topology = {"dp": self.grid.dp, "pp": self.grid.pp, "ep": self.grid.ep}
         self.group.load_checkpoint(str(path), same_grid=manifest.topology == topology)
+        if self.cfg.checkpoint.ema_decay:
+            self.group.load_ema(str(self.saver.root), str(path))
         self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
                  f"saved on grid {manifest.topology})")
         self.start_step = manifest.step
         return manifest.step, manifest.consumed_samples
 
     def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None,
-                   snapshot: bool = False) -> StepRecord:
+                   snapshot: dict | None = None) -> StepRecord:
         cfg, grid = self.cfg, self.grid
         t0 = time.perf_counter()
         batch = order.indices(consumed, cfg.train.global_batch_size)
@@ -486,8 +496,7 @@ class Trainer:
         for c in grid.coords():
             programs.append(self.programs[c.pp])
             ids.append(split_batch(batch, grid.data_parallel_size, grid.data_rank(c)))
-        reports = self.group.run_step(step, programs, ids,
-                                      snapshot=self.saver.snapshot_options() if snapshot else None)
+        reports = self.group.run_step(step, programs, ids, snapshot=snapshot)
         step_time = time.perf_counter() - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.

@@ -91,3 +91,31 @@ def test_stage_worker_killed_mid_save_keeps_the_last_committed(ray_session, tmp_
     cleanup_uncommitted(root)
     assert sorted(p.name for p in root.iterdir()) == ["step-000000002"]
     assert weights(latest(root))
+
+
+def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data):
+    from safetensors.torch import load_file
+
+    from raypar.data import SampleOrder, TokenDataset
+    from raypar.hf import export_checkpoint_to_hf
+    from raypar.reference import ReferenceTrainer
+
+    decay = 0.5
+    cfg = config(tmp_path, "ema", steps=4, every=4, ema_decay=decay, ema_every=1)
+    Trainer(cfg).fit()
+    # The same four steps in one process, with the EMA folded in after each.
+    dataset = TokenDataset(cfg.data.path, cfg.data.seq_len)
+    order = SampleOrder(len(dataset), cfg.train.seed)
+    ref, ema = ReferenceTrainer(cfg), None
+    for step in range(4):
+        ref.step(step, *dataset.get(order.indices(step * 8, 8)))
+        w = ref.parameters()
+        ema = w if ema is None else {n: decay * ema[n] + (1 - decay) * w[n] for n in w}
+    saved = latest(tmp_path / "ema" / "ckpt")
+    with CheckpointReader(saved) as r:
+        assert sorted(n[4:] for n in r.names() if n.startswith("ema.")) == sorted(ema)
+        for name, want in ema.items():
+            torch.testing.assert_close(r.read(f"ema.{name}"), want, rtol=1e-5, atol=1e-5)
+    export_checkpoint_to_hf(saved, tmp_path / "hf-ema", ema=True)
+    exported = load_file(str(tmp_path / "hf-ema" / "model.safetensors"))
+    torch.testing.assert_close(exported["model.embed_tokens.weight"], ema["embed.weight"], rtol=1e-5, atol=1e-5)
