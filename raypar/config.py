@@ -109,6 +109,7 @@ class RuntimeConfig:
     collective_timeout_s: float = 120.0  # longest wait in a p2p exchange or collective
     step_timeout_s: float = 600.0  # longest wait for every worker to finish a step
     log_every: int = 1  # print a progress line every N steps
+    timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training
     # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
     # Grafana); "standalone" serves them from the driver with prometheus_client; "off".
     metrics: Literal["ray", "standalone", "off"] = "ray"

@@ -346,6 +346,8 @@ class Trainer:
             self._max_step_done = max(self._max_step_done, step + 1)
             if self._recovery is not None:
                 self._finish_recovery(record)
+            if step == self.cfg.runtime.timeline_step:
+                self._draw_timeline(step, events)
             metrics.write(json.dumps(asdict(record)) + "\n")
             metrics.flush()
             self.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
@@ -527,6 +529,15 @@ class Trainer:
             checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
             stage_times=stage_times(reports, grid),
         )
+
+    def _draw_timeline(self, step: int, events) -> None:
+        from raypar.timeline import draw_png, load_step, write_chrome_trace
+
+        events.flush()
+        spans = load_step(self.run_dir, step)
+        png = draw_png(spans, self.run_dir / f"timeline-step{step}.png", title=f"{self.grid}, step {step}")
+        write_chrome_trace(spans, self.run_dir / f"timeline-step{step}.json")
+        self.log(f"raypar: timeline of step {step} -> {png}")
 
     def _write_status(self, step: int, loss: float | None = None) -> None:
         ok = [r for r in self.saver.results if r.error is None]

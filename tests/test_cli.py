@@ -15,7 +15,7 @@ def test_default_job_runs_and_prints_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run(
         [sys.executable, "-m", "raypar.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-         "train.steps=4", "runtime.log_every=1", "runtime.num_cpus=2", f"runtime.run_dir={tmp_path / 'run'}"],
+         "train.steps=4", "runtime.log_every=1", "runtime.timeline_step=2", "runtime.num_cpus=2", f"runtime.run_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -27,6 +27,8 @@ def test_default_job_runs_and_prints_the_summary(tmp_path):
     assert 0.0 <= summary["bubble_measured"] <= 1.0 and summary["tokens_per_s"] > 0
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "timeline-step2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "run" / "timeline-step2.json").read_text())["traceEvents"]
     assert records[-1]["loss"] < records[0]["loss"]
     status = subprocess.run([sys.executable, "-m", "raypar", "status", str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=60)

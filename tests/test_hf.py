@@ -187,3 +187,26 @@ def test_tied_embeddings_untie(tmp_path: pathlib.Path) -> None:
     weights = load_hf_weights(tmp_path, DENSE)
     torch.testing.assert_close(weights["head.weight"], weights["embed.weight"], rtol=0, atol=0)
     assert weights["head.weight"].data_ptr() != weights["embed.weight"].data_ptr()
+
+
+@CONFIGS
+def test_init_from_starts_every_stage_from_the_hf_weights(ray_session, tmp_path: pathlib.Path, cfg: ModelConfig) -> None:
+    """`raypar train --init-from`: each stage worker (and expert-parallel rank) loads its share."""
+    from helpers import start_group, synthetic_data, tiny_config
+
+    hf_cls = transformers.MixtralForCausalLM if cfg.n_experts else transformers.LlamaForCausalLM
+    config_cls = transformers.MixtralConfig if cfg.n_experts else transformers.LlamaConfig
+    torch.manual_seed(5)
+    hf_cls(config_cls(**hf_config(cfg))).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
+    run = tiny_config(tmp_path, model={**model, "init_from": str(tmp_path / "hf")},
+                      parallel={"pp": 2, "ep": 2 if cfg.n_experts else 1})
+    group = start_group(run, synthetic_data(tmp_path, run))
+    try:
+        loaded = group.parameters()
+    finally:
+        group.shutdown()
+    want = load_hf_weights(tmp_path / "hf", cfg)
+    assert loaded.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(loaded[name], t.float()), name
