@@ -39,6 +39,24 @@ def data(tmp_path):
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same run without failures, once per grid (the data is the same in every test)."""
+    from raypar.data import write_synthetic_corpus
+
+    runs = {}
+
+    def run(grid, model):
+        key = (grid, str(model))
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("uninterrupted")
+            write_synthetic_corpus(tmp / "data.parquet", 256, 8, 64, seed=1)
+            runs[key] = Trainer(elastic_config(tmp, "reference", grid, model)).fit()
+        return runs[key]
+
+    return run
+
+
 class KillWorker(Callback):
     """Kills one stage worker after step `at` (once), as a crash would."""
 
@@ -61,8 +79,9 @@ def last_loss_per_step(summary) -> dict[int, float]:
     ((2, 2, 1), None, 5, 0),
     ((1, 2, 2), MOE, 4, 2),
 ], ids=["dense-dp2pp2-step2", "dense-dp2pp2-step5", "moe-pp2ep2-step4"])
-def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_path, data, grid, model, at, rank):
-    reference = Trainer(elastic_config(tmp_path, "reference", grid, model)).fit()
+def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_path, data, grid, model, at, rank,
+                                                            uninterrupted):
+    reference = uninterrupted(grid, model)
     kill = KillWorker(at, rank)
     summary = Trainer(elastic_config(tmp_path, "killed", grid, model), callbacks=[kill]).fit()
     assert len(summary.recoveries) == 1
