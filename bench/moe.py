@@ -148,7 +148,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['label']} | | | | | | | | {r['p2p_gbps']:.1f} / "
                          f"{r['p2p_bidirectional_gbps_per_direction']:.1f} |")
             continue
-        gbps = f"{r['alltoall_gbps']:.2f}" if r.get("alltoall_gbps") else "-"
+        gbps = f"{r['alltoall_gbps']:.3g}" if r.get("alltoall_gbps") else "-"
         vs = f"{r['alltoall_vs_p2p']:.1%}" if r.get("alltoall_vs_p2p") else "-"
         lines.append(f"| {r['label']} ({r['microbatches']} mb) | {r['tokens_per_s']:,.0f} | "
                      f"{r['step_time_s'] * 1000:.1f} | {r['alltoall_bytes_per_step'] / 2**20:.1f} | "

@@ -153,13 +153,17 @@ class Context:
         """Run one row (or a few); a failure becomes an error row, no time left a skipped one."""
         if self.time_left() < min_time_s:
             return [{"label": label, "skipped": f"time budget: {max(0.0, self.time_left()):.0f}s left in this suite"}]
+        t0 = time.monotonic()
         try:
             out = fn()
         except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others still run
             self.log(label)(f"FAILED: {e!r}"[:2000])
-            return [{"label": label, "error": f"{type(e).__name__}: {e}"[:800],
-                     "traceback": traceback.format_exc()[-3000:]}]
-        return out if isinstance(out, list) else [out]
+            out = {"label": label, "error": f"{type(e).__name__}: {e}"[:800],
+                   "traceback": traceback.format_exc()[-3000:]}
+        rows = out if isinstance(out, list) else [out]
+        for r in rows:
+            r.setdefault("wall_s", time.monotonic() - t0)  # what the row cost, for sizing the budget
+        return rows
 
 
 def model_params(cfg: Config) -> int:
@@ -169,7 +173,8 @@ def model_params(cfg: Config) -> int:
 
 def _run_key(cfg: Config) -> str:
     d = cfg.to_dict()
-    d["runtime"].pop("run_dir")
+    for key in ("run_dir", "step_timeout_s", "collective_timeout_s"):  # where and how long, not what
+        d["runtime"].pop(key)
     return json.dumps(d, sort_keys=True)
 
 
@@ -261,8 +266,9 @@ def render(name: str, result: dict) -> str:
 
 def write_results(out: Path, env: dict, results: dict[str, dict]) -> str:
     (out / "results.json").write_text(json.dumps({"environment": env, "suites": results}, indent=1, default=str))
-    head = (f"# raypar benchmarks: {env.get('date')}, {env.get('card')} x {env.get('gpus', 0) or 'cpu'}, "
-            f"driver {env.get('driver', '-')}, torch {env.get('torch')}, Ray {env.get('ray')}, "
+    where = (f"{env.get('gpus')} x {env.get('card')}, driver {env.get('driver', '?')}" if env.get("gpus")
+             else f"CPU only ({env.get('host_cpus')} cores)")
+    head = (f"# raypar benchmarks: {env.get('date')}, {where}, torch {env.get('torch')}, Ray {env.get('ray')}, "
             f"Python {env.get('python')}")
     md = "\n\n".join([head, *(render(n, r) for n, r in results.items())]) + "\n"
     (out / "results.md").write_text(md)

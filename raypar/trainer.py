@@ -278,8 +278,8 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", mode) as metrics, \
                     open(self.run_dir / "events.jsonl", mode) as events:
                 while True:
-                    self.start(dataset)
                     try:
+                        self.start(dataset)  # a worker lost while starting is a failure like any other
                         start, consumed = self.resume(resume)
                         self.saver.start_writers(self.group)
                         self.controller.to(State.RUNNING)

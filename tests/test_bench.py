@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SUITES = ["moe", "baselines", "checkpoint", "elastic", "pipeline"]
+# Rows that cannot run without GPUs and say so; on CPU every other row must have run.
+CPU_UNAVAILABLE = {"NCCL p2p send/recv, 256 MiB"}
 
 
 @pytest.mark.timeout(300)
@@ -19,3 +22,65 @@ def test_pipeline_bench_quick_on_cpu(tmp_path):
     assert [r["label"] for r in results["rows"]] == ["1f1b, release", "fthenb, release", "fthenb, no release"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["rows"])
     assert "| 1f1b, release (8 mb) |" in out.stdout  # the table is printed last
+
+
+def _rows(results: dict, suite: str) -> dict[str, dict]:
+    return {r["label"]: r for r in results["suites"][suite]["rows"]}
+
+
+@pytest.mark.timeout(400)
+def test_every_suite_runs_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.run", "--suite", "all", "--cpu", "--steps", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    env = results["environment"]
+    assert env["card"] == "cpu" and env["torch"] and env["ray"]
+    assert list(results["suites"]) == SUITES
+    for name, suite in results["suites"].items():
+        assert "error" not in suite, f"suite {name} failed:\n{suite.get('traceback')}"
+        assert suite["rows"], f"suite {name} has no rows"
+        for row in suite["rows"]:
+            # Any error on CPU is a harness bug; only GPU-only rows may be missing, and must say why.
+            assert "error" not in row, f"{name} / {row['label']}: {row['error']}\n{row.get('traceback')}"
+            assert "skipped" not in row, f"{name} / {row['label']}: {row['skipped']}"
+            if "unavailable" in row:
+                assert row["label"] in CPU_UNAVAILABLE and "not available on CPU" in row["unavailable"], row
+            assert "stopped_early" not in row, row
+
+    moe = _rows(results, "moe")
+    ep, pp = moe["ep=2, grid (1,1,2)"], moe["pp=2, grid (1,2,1)"]
+    assert ep["tokens_per_s"] > 0 and pp["tokens_per_s"] > 0
+    assert ep["alltoall_bytes_per_step"] > 0 and ep["alltoall_gbps"] > 0 and 0 < ep["alltoall_share"] < 1
+    assert pp["alltoall_bytes_per_step"] == 0 and ep["config"]["parallel"]["ep"] == 2
+
+    base = _rows(results, "baselines")
+    single = next(r for r in base.values() if r.get("kind") == "single")
+    for schedule, torch_label in (("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")):
+        ours, theirs = base[f"raypar {schedule}"], base[f"torch.distributed.pipelining {torch_label}"]
+        assert ours["vs_torch"] > 0 and theirs["tokens_per_s"] > 0
+        # Same data, initialisation and optimizer: the same losses, whoever runs the pipeline.
+        assert theirs["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
+        assert ours["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
+
+    ckpt = results["suites"]["checkpoint"]["rows"]
+    raypar_save = next(r for r in ckpt if r["label"].startswith("raypar"))
+    assert raypar_save["bytes"] > 0 and raypar_save["stall_per_step"] >= 0 and raypar_save["vs_disk"] > 0
+    assert {r["label"] for r in ckpt} >= {"torch.save, synchronous (whole model on the driver)",
+                                         "torch.distributed.checkpoint.async_save",
+                                         "load, same grid (pp=2 -> pp=2)", "load, resharded (pp=2 -> pp=1)"}
+    assert next(r for r in ckpt if r.get("load_pp") == 1)["vs_same_grid"] > 0
+
+    recovery, restart = results["suites"]["elastic"]["rows"]
+    assert recovery["recovery_s"] > 0 and recovery["failed_grid"] == recovery["recovered_grid"]
+    assert restart["restart_s"] > 0 and restart["resumed_step"] == recovery["resumed_step"]
+    assert restart["recovery_vs_restart"] > 0
+
+    pipeline = _rows(results, "pipeline")
+    assert pipeline["1f1b, release"]["reused_from"] == "baselines" and len(pipeline) == 6
+
+    # Every suite's table is printed, after the last log line.
+    tail = out.stdout[out.stdout.rindex("# raypar benchmarks"):]
+    for name in SUITES:
+        assert f"## {name}:" in tail and f"## {name}:" in (tmp_path / "results.md").read_text()
+    assert "| ep=2, grid (1,1,2) (4 mb) |" in tail and "| raypar 1f1b (8 mb) |" in tail
