@@ -1,7 +1,7 @@
 """The benchmark entry point: every suite in one Ray session, side by side.
 
-    python -m bench.run --suite all --out DIR               # GPU machine (2 GPUs), ~9 minutes
-    python -m bench.run --suite quick --out DIR             # a subset, ~3 minutes
+    python -m bench.run --suite all --out DIR               # GPU machine (2 GPUs), within ~9 minutes
+    python -m bench.run --suite quick --out DIR             # a subset, within ~3 minutes
     python -m bench.run --suite moe,elastic --out DIR       # named suites
     python -m bench.run --suite all --cpu --steps 2 --out DIR   # tiny models on CPU (the tests)
 
@@ -11,6 +11,10 @@ DIR/results.json (environment, every suite's rows, each row's config) and DIR/re
 cut short still keeps the suites that finished. A suite that fails records its error and
 the others still run. Run directories, checkpoints and corpora go to a scratch folder
 (--work), never under --out: a 1B model's checkpoint is ~12 GB.
+
+On GPU the suites share a time budget (--budget-s): a row that would start with too little
+time left is recorded as skipped, and a run past its suite's deadline stops after its
+current step (at least 2), so the call ends with results instead of being killed.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -40,19 +43,24 @@ from raypar.data import write_synthetic_corpus
 from raypar.model import Transformer, num_params
 from raypar.trainer import RunSummary, Trainer
 
-GPU_CONFIG = "configs/gpt-1b.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+GPU_CONFIG = str(ROOT / "configs" / "gpt-1b.yaml")
 # Steps per run when --steps is not given: the first step is warm-up, the rest are averaged.
 DEFAULT_STEPS = {"gpu": 6, "cpu": 4}
 # Order of `all`: the suites with no GPU numbers yet first; pipeline last, because its 1F1B
 # rows are already in BENCHMARKS.md and its fthenb rows on the 1B model once hung.
 ORDER = ["moe", "baselines", "checkpoint", "elastic", "pipeline"]
 QUICK = ["moe", "baselines", "checkpoint", "pipeline"]
-# Relative cost on GPU: a suite starting with time T left gets T * weight / (sum of the
-# weights still to run), so one slow or hung suite cannot eat the others' time.
-WEIGHTS = {"moe": 2.0, "baselines": 3.0, "checkpoint": 3.0, "elastic": 2.5, "pipeline": 3.0}
-DEFAULT_BUDGET_S = {"all": 510.0, "quick": 170.0}
-# Environment the GPU machines need (shared/device/README.md); children inherit it.
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Share of the budget held back for each suite still to come: a suite may use whatever the
+# earlier ones left, less these, so one slow or hung suite cannot starve the rest. The
+# pipeline suite, last and already measured in part, gets only what is left.
+RESERVE = {"moe": 0.12, "baselines": 0.15, "checkpoint": 0.15, "elastic": 0.18, "pipeline": 0.0}
+# Seconds for the suites, inside one device call of ~9 (all) or ~3 (quick) minutes: the rest
+# is Ray's start, the environment, and a run that overruns its suite's deadline (a started
+# Trainer finishes its launch and at least 2 steps).
+BUDGET_S = {"quick": 150.0, "other": 450.0}
+# Seconds a Trainer launch needs on GPU (workers, NCCL, model init) before a row is started.
+LAUNCH_S = 30.0
 
 
 class StopAtDeadline(Callback):
@@ -73,7 +81,6 @@ class StopAtDeadline(Callback):
 class Context:
     """What a suite needs from the harness: configs, runs, time left, where to write."""
 
-    out: Path
     work: Path
     cpu: bool
     steps: int | None
@@ -84,8 +91,11 @@ class Context:
 
     # -- configs ---------------------------------------------------------------------------
 
-    def default_steps(self) -> int:
-        return self.steps or DEFAULT_STEPS["cpu" if self.cpu else "gpu"]
+    def default_steps(self, gpu: int | None = None) -> int:
+        """--steps, else the suite's GPU default (`gpu`) or the harness's."""
+        if self.steps:
+            return self.steps
+        return DEFAULT_STEPS["cpu"] if self.cpu else gpu or DEFAULT_STEPS["gpu"]
 
     def base_overrides(self) -> list[str]:
         """The sizes: bench/pipeline.py's tiny CPU model, or the config file's GPU sizes."""
@@ -93,7 +103,7 @@ class Context:
             return list(pipeline_bench.TINY)
         # A hung collective or step fails the row instead of the whole call.
         hang = int(min(300, max(90, self.time_left())))
-        return [f"runtime.step_timeout_s={hang}", f"runtime.collective_timeout_s={hang}"]
+        return [f"runtime.step_timeout_s={hang}", f"runtime.collective_timeout_s={hang}", f"checkpoint.timeout_s={hang}"]
 
     def config(self, overrides: list[str], name: str, steps: int | None = None, path: str = GPU_CONFIG) -> Config:
         """`path` with the size overrides, then the suite's, then steps and the run dir."""
@@ -149,8 +159,8 @@ class Context:
             row["stopped_early"] = f"time budget: stopped after step {stopped}"
         return row
 
-    def attempt(self, label: str, fn: Callable[[], dict | list[dict]], min_time_s: float = 0.0) -> list[dict]:
-        """Run one row (or a few); a failure becomes an error row, no time left a skipped one."""
+    def attempt(self, label: str, fn: Callable[[], dict | list[dict]], min_time_s: float = LAUNCH_S) -> list[dict]:
+        """Run one row (or a few); a failure becomes an error row, too little time left a skipped one."""
         if self.time_left() < min_time_s:
             return [{"label": label, "skipped": f"time budget: {max(0.0, self.time_left()):.0f}s left in this suite"}]
         t0 = time.monotonic()
@@ -175,6 +185,7 @@ def _run_key(cfg: Config) -> str:
     d = cfg.to_dict()
     for key in ("run_dir", "step_timeout_s", "collective_timeout_s"):  # where and how long, not what
         d["runtime"].pop(key)
+    d["checkpoint"].pop("timeout_s")
     return json.dumps(d, sort_keys=True)
 
 
@@ -201,7 +212,7 @@ class PipelineSuite:
                 summary, reused = ctx.fit(cfg, label)
                 return ctx.row(label, cfg, summary, reused)
 
-            rows += ctx.attempt(label, one, min_time_s=0 if ctx.cpu else 45)
+            rows += ctx.attempt(label, one)
         return rows
 
     @staticmethod
@@ -225,7 +236,8 @@ def environment(args: argparse.Namespace, names: list[str]) -> dict:
     if torch.cuda.is_available():
         env.update(cuda=torch.version.cuda, cards=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except Exception:  # noqa: BLE001 - informational only
             pass
         env["topology"] = _command(["nvidia-smi", "topo", "-m"])
@@ -295,10 +307,14 @@ def start_ray(cpu: bool) -> None:
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     # Actors defined in bench/ (moe's p2p pair) are imported by name in the workers.
-    root = str(Path(__file__).resolve().parent.parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     if not cpu:
-        os.environ.update(GPU_ENV)  # Ray workers and spawned processes inherit it
+        from raypar.actors.worker_group import GPU_ENV
+
+        # NVLink multicast off for everything this process starts (Ray workers, spawned stages).
+        # Eager CUDA module loading stays with the processes that need it: the driver's own
+        # CUDA start would only get slower.
+        os.environ.update({k: v for k, v in GPU_ENV.items() if k != "CUDA_MODULE_LOADING"})
     # On CPU: 8 logical CPUs, so fractional workers of every suite's grid fit on 2 cores.
     ray.init(address="local", num_cpus=8 if cpu else None, include_dashboard=False, log_to_driver=True)
 
@@ -310,13 +326,13 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny models on CPU")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6 GPU, 4 CPU)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget for all suites (default: 510 for all, 170 for quick on GPU; none on CPU)")
+                    help="seconds for all suites (GPU default: 150 for quick, else 450; none on CPU)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
     args = ap.parse_args()
     names = suite_names(args.suite)
     if args.budget_s is None and not args.cpu:
-        args.budget_s = DEFAULT_BUDGET_S.get(args.suite, 60.0 * 9 * len(names) / len(ORDER))
+        args.budget_s = BUDGET_S.get(args.suite, BUDGET_S["other"])
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="raypar-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -326,14 +342,12 @@ def main() -> int:
     start_ray(args.cpu)
     env = environment(args, names)
     print(f"environment: {json.dumps({k: v for k, v in env.items() if k != 'topology'})}", flush=True)
-    ctx = Context(out=args.out, work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick")
+    ctx = Context(work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick")
     results: dict[str, dict] = {}
     try:
         for i, name in enumerate(names):
-            left = end - time.monotonic()
-            weights = [WEIGHTS[n] for n in names[i:]]
             ctx.suite = name
-            ctx.deadline = time.monotonic() + left * WEIGHTS[name] / sum(weights) if math.isfinite(end) else math.inf
+            ctx.deadline = end - args.budget_s * sum(RESERVE[n] for n in names[i + 1:]) if args.budget_s else math.inf
             print(f"== suite {name} ({ctx.time_left():.0f}s)" if math.isfinite(end) else f"== suite {name}", flush=True)
             t0 = time.monotonic()
             try:

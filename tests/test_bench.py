@@ -12,18 +12,6 @@ SUITES = ["moe", "baselines", "checkpoint", "elastic", "pipeline"]
 CPU_UNAVAILABLE = {"NCCL p2p send/recv, 256 MiB"}
 
 
-@pytest.mark.timeout(300)
-def test_pipeline_bench_quick_on_cpu(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--out", str(tmp_path), "--cpu", "--quick",
-                          "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["environment"]["card"] == "cpu" and results["environment"]["params"] > 0
-    assert [r["label"] for r in results["rows"]] == ["1f1b, release", "fthenb, release", "fthenb, no release"]
-    assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["rows"])
-    assert "| 1f1b, release (8 mb) |" in out.stdout  # the table is printed last
-
-
 def _rows(results: dict, suite: str) -> dict[str, dict]:
     return {r["label"]: r for r in results["suites"][suite]["rows"]}
 
@@ -68,7 +56,8 @@ def test_every_suite_runs_on_cpu(tmp_path):
     assert raypar_save["bytes"] > 0 and raypar_save["stall_per_step"] >= 0 and raypar_save["vs_disk"] > 0
     assert {r["label"] for r in ckpt} >= {"torch.save, synchronous (whole model on the driver)",
                                          "torch.distributed.checkpoint.async_save",
-                                         "load, same grid (pp=2 -> pp=2)", "load, resharded (pp=2 -> pp=1)"}
+                                         "load, same grid (pp=2 -> pp=2), into the running workers",
+                                         "load, resharded (pp=2 -> pp=1)"}
     assert next(r for r in ckpt if r.get("load_pp") == 1)["vs_same_grid"] > 0
 
     recovery, restart = results["suites"]["elastic"]["rows"]

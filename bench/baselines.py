@@ -1,0 +1,271 @@
+"""Pipeline baselines on the same model, micro-batches and data as raypar's pp=2 rows.
+
+(a) the whole model on one device with gradient accumulation over the same micro-batches
+    (one process, no Ray): a 2-stage pipeline's ideal is 2 x that x (1 - bubble);
+(b) torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B) in 2 spawned
+    processes (gloo on CPU, NCCL on GPU) running raypar's own stage modules.
+
+Every run does what raypar's step does: forward and backward of every micro-batch, the
+global gradient norm over both stages, clipping and the AdamW step on fp32 masters.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from queue import Empty
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from raypar.config import Config
+
+    from bench.run import Context
+
+TITLE = "one device with gradient accumulation, torch.distributed.pipelining and raypar on pp=2"
+NOTES = ("same data, initialisation and optimizer in every row (equal final losses say so); "
+         "tokens/s over the steps after the first; ideal 2-stage = 2 x single device x (1 - (p-1)/(m+p-1)); "
+         "on CPU every process or worker gets one thread, so one 'device' is one core. "
+         "raypar / torch: raypar's tokens/s over torch.distributed.pipelining's for the same schedule.")
+
+# (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
+SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
+
+
+def run(ctx: "Context") -> list[dict]:
+    rows: list[dict] = []
+    schedules = SCHEDULES[:1] if ctx.quick else SCHEDULES
+    # Same overrides as bench/pipeline.py's first rows, so the pipeline suite reuses these runs.
+    cfgs = {s: ctx.config([f"parallel.schedule={s}", "runtime.release=true"], f"raypar {s}") for s, _ in schedules}
+    cfg = cfgs[schedules[0][0]]
+    data_path = ctx.corpus(cfg)  # what the Trainer generates for itself, byte for byte
+    rows += ctx.attempt("single device", lambda: single_device_row(cfg, data_path, ctx.cpu), min_time_s=15)
+    for schedule, torch_name in schedules:
+        label = f"raypar {schedule}"
+
+        def raypar_row(label=label, c=cfgs[schedule]) -> dict:
+            summary, reused = ctx.fit(c, label)
+            return ctx.row(label, c, summary, reused, schedule=c.parallel.schedule)
+
+        rows += ctx.attempt(label, raypar_row)
+        rows += ctx.attempt(f"torch.distributed.pipelining {torch_name}",
+                            lambda c=cfgs[schedule], n=torch_name: pipelining_row(c, n, data_path, ctx))
+    compare(rows, cfg)
+    return rows
+
+
+def compare(rows: list[dict], cfg: "Config") -> None:
+    """Ratios between rows of this run: to the single device, its 2-stage ideal, torch."""
+    single = next((r for r in rows if r.get("kind") == "single" and "tokens_per_s" in r), None)
+    p, m = 2, cfg.parallel.microbatches
+    for r in rows:
+        if "tokens_per_s" not in r or single is None or r is single:
+            continue
+        r["vs_single_device"] = r["tokens_per_s"] / single["tokens_per_s"]
+        r["vs_ideal_2_stage"] = r["tokens_per_s"] / (2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1)))
+    if single is not None:
+        single["ideal_2_stage_tokens_per_s"] = 2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1))
+    for r in rows:
+        if r.get("kind") == "torch" and "tokens_per_s" in r:
+            ours = next((x for x in rows if x.get("schedule") == r["schedule"] and "bubble_measured" in x), None)
+            if ours is not None:
+                ours["vs_torch"] = ours["tokens_per_s"] / r["tokens_per_s"]
+
+
+# -- (a) one device ---------------------------------------------------------------------------
+
+
+def single_device_row(cfg: "Config", data_path: str, cpu: bool) -> dict:
+    from raypar.data import SampleOrder, TokenDataset, split_batch
+    from raypar.model import build_stage
+    from raypar.optim import MasterOptimizer
+
+    device = torch.device("cpu" if cpu or not torch.cuda.is_available() else "cuda", 0)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as one stage worker has
+    try:
+        model = build_stage(cfg.model, 0, 1, seed=cfg.train.seed, device=device)
+        optimizer = MasterOptimizer(model, cfg.train)
+        dataset = TokenDataset(data_path, cfg.data.seq_len)
+        order = SampleOrder(len(dataset), cfg.train.seed, shuffle=cfg.data.shuffle)
+        m, gbs = cfg.parallel.microbatches, cfg.train.global_batch_size
+        times, losses = [], []
+        for step in range(cfg.train.steps):
+            batch = order.indices(step * gbs, gbs)
+            _sync(device)
+            t0 = time.perf_counter()
+            total = 0.0
+            for i in range(m):
+                tokens, labels = dataset.get(split_batch(batch, m, i))
+                loss = model(tokens.to(device), labels.to(device)) / m
+                loss.backward()
+                total += float(loss.detach())
+            optimizer.step(step, float(optimizer.local_sq_norm().sqrt()))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(total)
+        del model, optimizer
+    finally:
+        torch.set_num_threads(threads)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next runs need this GPU
+    return {"label": f"single device, gradient accumulation over {m} micro-batches", "kind": "single",
+            "device": str(device), "microbatches": m, **_rates(times, cfg), "losses": losses, "final_loss": losses[-1],
+            "config": cfg.to_dict()}
+
+
+def _rates(times: list[float], cfg: "Config") -> dict:
+    steady = times[1:] or times  # the first step pays for allocation and warm-up
+    step_s = sum(steady) / len(steady)
+    return {"step_time_s": step_s, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
+            "step_times_s": times}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- (b) torch.distributed.pipelining ----------------------------------------------------------
+
+
+def pipelining_row(cfg: "Config", schedule: str, data_path: str, ctx: "Context") -> dict:
+    """Two spawned processes, one stage each; the slower rank's step times count."""
+    import torch.multiprocessing as mp
+
+    label = f"torch.distributed.pipelining {schedule}"
+    if not ctx.cpu and torch.cuda.device_count() < 2:
+        return {"label": label, "kind": "torch", "unavailable": "needs 2 GPUs (one per stage)"}
+    device = "cpu" if ctx.cpu else "cuda"
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    port = _free_port()
+    procs = [spawn.Process(target=pipelining_worker, args=(rank, port, cfg.to_dict(), schedule, data_path, device, queue),
+                           daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + min(600.0, max(60.0, ctx.time_left()))
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            try:
+                rank, result = queue.get(timeout=1.0)
+                results[rank] = result
+                if "error" in result:
+                    deadline = min(deadline, time.monotonic() + 10.0)  # its peer may wait on it forever
+            except Empty:  # are the processes still alive?
+                if any(not p.is_alive() and i not in results for i, p in enumerate(procs)):
+                    deadline = min(deadline, time.monotonic() + 5.0)  # a result may still be in flight
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failed = {r: res for r, res in results.items() if "error" in res}
+    if failed:
+        rank, res = sorted(failed.items())[0]
+        return {"label": label, "kind": "torch", "error": f"rank {rank}: {res['error']}"[:800],
+                "traceback": res["traceback"]}
+    if len(results) < 2:
+        missing = sorted(set(range(2)) - set(results))
+        codes = [procs[i].exitcode for i in missing]
+        raise RuntimeError(f"{label}: no result from ranks {missing} (exit codes {codes})")
+    # A step ends when both ranks are done with it.
+    times = [max(a, b) for a, b in zip(results[0]["times"], results[1]["times"])]
+    return {"label": label, "kind": "torch", "schedule": "1f1b" if schedule == "Schedule1F1B" else "fthenb",
+            "device": device, "microbatches": cfg.parallel.microbatches, **_rates(times, cfg),
+            "losses": results[1]["losses"], "final_loss": results[1]["losses"][-1], "config": cfg.to_dict()}
+
+
+def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedule: str, data_path: str, device_kind: str,
+                      queue) -> None:
+    """One pipeline stage in its own process; puts (rank, result or error) on `queue`."""
+    import torch.distributed as dist
+
+    try:
+        if device_kind == "cuda":
+            # As raypar's GPU workers: lazy module loading can deadlock p2p (actors/worker_group.py).
+            os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(1)  # as a raypar CPU worker has
+        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=2, timeout=timedelta(seconds=300))
+        result = _train_stage(rank, cfg_dict, schedule, data_path, device)
+        queue.put((rank, result))
+    except BaseException as e:  # noqa: BLE001 - whatever pipelining raised goes back as the row's reason
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, device: torch.device) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed import pipelining
+
+    from raypar.config import config_from_dict
+    from raypar.data import SampleOrder, TokenDataset
+    from raypar.model import build_stage
+    from raypar.optim import MasterOptimizer
+
+    cfg = config_from_dict(cfg_dict)
+    m, gbs = cfg.parallel.microbatches, cfg.train.global_batch_size
+    module = build_stage(cfg.model, rank, 2, cfg.parallel.layers_per_stage, seed=cfg.train.seed, device=device)
+    optimizer = MasterOptimizer(module, cfg.train)
+    stage = pipelining.PipelineStage(module, rank, 2, device)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Per micro-batch mean over tokens in fp32, / m: the step's loss is their mean, as in raypar.
+        # (scale_grads=False: bf16 models move grads into fp32 masters, where torch cannot scale them.)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()) / m
+
+    sched = getattr(pipelining, schedule)(stage, m, loss_fn=loss_fn, scale_grads=False)
+    dataset = TokenDataset(data_path, cfg.data.seq_len)
+    order = SampleOrder(len(dataset), cfg.train.seed, shuffle=cfg.data.shuffle)
+    times, losses = [], []
+    for step in range(cfg.train.steps):
+        tokens, labels = dataset.get(order.indices(step * gbs, gbs))
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(tokens.to(device))
+        else:
+            mb_losses: list[torch.Tensor] = []
+            sched.step(target=labels.to(device), losses=mb_losses)
+            losses.append(float(sum(x.detach().float() for x in mb_losses)))
+        sq = optimizer.local_sq_norm()
+        dist.all_reduce(sq)  # the global norm over both stages, for clipping
+        optimizer.step(step, float(sq.sqrt()))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "losses": losses}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def table(rows: list[dict]) -> str:
+    fmt = lambda r, k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
+    lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
+             "final loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
+        if r.get("kind") == "single":
+            label += f"; ideal 2-stage {r['ideal_2_stage_tokens_per_s']:,.0f} tokens/s" if "ideal_2_stage_tokens_per_s" in r else ""
+        lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
+                     f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
+                     f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_torch', '{:.2f}')} | "
+                     f"{fmt(r, 'final_loss', '{:.4f}')} |")
+    return "\n".join(lines)

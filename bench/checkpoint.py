@@ -1,0 +1,332 @@
+"""Checkpoint suite: what a save costs the training loop, how fast it writes, how fast it loads.
+
+Side by side in one run: raypar's asynchronous checkpoints (`checkpoint.every`) on pp=2; a
+synchronous `torch.save` and `torch.distributed.checkpoint.async_save` of the same state
+(weights, fp32 masters, AdamW moments) from a whole-model reference on the driver; the
+disk's sequential write speed (fsync'd); loading the checkpoint on the grid that wrote it
+and resharded onto pp=1.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from raypar.callbacks import Callback
+from raypar.trainer import Trainer
+
+if TYPE_CHECKING:
+    from raypar.config import Config
+    from raypar.trainer import RunSummary
+
+    from bench.run import Context
+
+TITLE = "training-loop stall per save, write speed against the disk, resharded load"
+NOTES = ("stall: time the step loop was held up by a save (raypar: snapshot copy + hand-off, first save / "
+         "mean over saves; torch.save: the whole save; async_save: until it returned); overlap: extra "
+         "time of the steps that ran while a raypar save was in flight, against steps with none; "
+         "stall / step: against raypar's step time for the same model and batch. Writes fsync. "
+         "raypar's MiB/s is its own figure, bytes / the slowest shard's write time; a node's one writer "
+         "writes its shards one after another, so with 2 shards on a node it can read up to 2x high: "
+         "save to commit (snapshot, hand-off, write, commit) bounds it from below. "
+         "Load: read_manifest + WorkerGroup.load_checkpoint (same grid: into the workers that just saved; "
+         "resharded: Trainer.resume of a new pp=1 run); the files were just written, so reads may come "
+         "from the page cache.")
+
+DISK_BYTES = {"gpu": 256 * 2**20, "cpu": 16 * 2**20}
+
+
+def run(ctx: "Context") -> list[dict]:
+    rows: list[dict] = []
+    where = ctx.work / ctx.suite
+    where.mkdir(parents=True, exist_ok=True)
+    rows += ctx.attempt("disk: sequential write + fsync", lambda: disk_row(where, DISK_BYTES["cpu" if ctx.cpu else "gpu"]),
+                        min_time_s=5)
+    # On GPU 8 steps: a save after step 4 and one at the end, with clean steps before to compare.
+    steps = max(ctx.default_steps(gpu=8), 2)
+    every = max(1, steps // 2)
+    cfg = ctx.config(["parallel.pp=2", f"checkpoint.every={every}", "checkpoint.keep_last=2"],
+                     f"save every {every}", steps=steps)
+    cfg.data.path = ctx.corpus(cfg)
+    saved: dict = {}
+    rows += ctx.attempt(f"raypar, checkpoint.every={every} (pp=2)", lambda: raypar_save_rows(ctx, cfg, every, saved))
+    rows += ctx.attempt("torch.save, synchronous (whole model on the driver)",
+                        lambda: reference_rows(ctx, cfg, where, quick=ctx.quick), min_time_s=20)
+    if saved.get("path") and not ctx.quick:
+        label = "load, resharded (pp=2 -> pp=1)"
+        rows += ctx.attempt(label, lambda: resharded_load_row(ctx, cfg, saved, label))
+    relate(rows, saved.get("step_time_s"))
+    return rows
+
+
+def relate(rows: list[dict], step_s: float | None) -> None:
+    """Ratios between rows of this run: to the disk, to raypar's step, to the same-grid load."""
+    disk = next((r for r in rows if "disk_bytes_per_s" in r), None)
+    same = next((r for r in rows if r.get("load_pp") == 2 and "load_s" in r), None)
+    for r in rows:
+        if disk and r.get("write_bytes_per_s"):
+            r["vs_disk"] = r["write_bytes_per_s"] / disk["disk_bytes_per_s"]
+        if disk and r.get("end_to_end_bytes_per_s"):
+            r["end_to_end_vs_disk"] = r["end_to_end_bytes_per_s"] / disk["disk_bytes_per_s"]
+        if step_s and r.get("stall_s") is not None:
+            r["stall_per_step"] = r["stall_s"] / step_s
+        if same and r.get("load_pp") == 1 and "load_s" in r:
+            r["vs_same_grid"] = r["load_s"] / same["load_s"]
+
+
+# -- the disk ------------------------------------------------------------------------------
+
+
+def disk_row(where: Path, nbytes: int) -> dict:
+    """Sequential write of `nbytes` with fsync: the speed a checkpoint writer could reach."""
+    block = os.urandom(4 * 2**20)  # incompressible, in case the filesystem compresses
+    path = where / "disk-speed.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, block[: nbytes - written])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return {"label": f"disk: sequential write {nbytes / 2**20:.0f} MiB + fsync", "bytes": nbytes,
+            "write_s": seconds, "disk_bytes_per_s": nbytes / seconds, "write_bytes_per_s": nbytes / seconds}
+
+
+# -- raypar's own checkpoints --------------------------------------------------------------
+
+
+class SaveTimeline(Callback):
+    """Which steps ran while each save was in flight (from its start to its commit being seen)."""
+
+    def __init__(self) -> None:
+        self.last_step = -1
+        self.commits: dict[int, int] = {}  # checkpoint step (steps done) -> step during which it was seen
+
+    def on_step_end(self, trainer: Trainer, record) -> None:
+        self.last_step = record.step
+
+    def on_checkpoint(self, trainer: Trainer, result) -> None:
+        # Seen by a poll inside step last_step + 1, or after the loop.
+        self.commits[result.step] = self.last_step + 1
+
+
+def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> list[dict]:
+    """The saves' stall and write speed, and the same-grid load of the last one."""
+    label = f"raypar, checkpoint.every={every} (pp=2)"
+    timeline, load = SaveTimeline(), LoadAtEnd()
+    trainer = ctx.trainer(cfg, label, callbacks=[timeline, load])
+    summary = trainer.fit()
+    ok = [c for c in summary.checkpoints if not c["error"]]
+    if not ok and trainer.bench_stop.stopped_after is not None:
+        return [{"label": label, "skipped": f"time budget: stopped after step {trainer.bench_stop.stopped_after}, "
+                                            f"before a save"}]
+    if not ok:
+        raise RuntimeError(f"no checkpoint committed: {summary.checkpoints}")
+    steps = cfg.train.steps
+    stalls = [r.checkpoint_stall_s for r in summary.records if (r.step + 1) % every == 0 or r.step + 1 == steps]
+    saved.update(path=ok[-1]["path"], bytes=ok[-1]["bytes"], step=ok[-1]["step"], step_time_s=summary.step_time_s)
+    nbytes = statistics.fmean(c["bytes"] for c in ok)
+    write_s = statistics.fmean(c["write_s"] for c in ok)
+    rows = [ctx.row(label, cfg, summary, bytes=nbytes, stall_s=stalls[0] if stalls else 0.0,
+                    stall_mean_s=statistics.fmean(stalls) if stalls else 0.0, stalls_s=stalls,
+                    overlap_s=overlap_cost(summary, timeline), write_s=write_s,
+                    write_bytes_per_s=nbytes / write_s if write_s else None,
+                    save_duration_s=statistics.fmean(c["duration_s"] for c in ok),
+                    end_to_end_bytes_per_s=statistics.fmean(c["bytes"] / c["duration_s"] for c in ok))]
+    if load.load_s is not None:
+        rows.append({"label": "load, same grid (pp=2 -> pp=2), into the running workers", "load_s": load.load_s,
+                     "load_pp": 2, "bytes": load.bytes, "load_bytes_per_s": load.bytes / load.load_s,
+                     "path": load.path, "config": cfg.to_dict()})
+    return rows
+
+
+class LoadAtEnd(Callback):
+    """After the last step: wait for its save to commit, then time loading it on the same grid.
+
+    The same call a resume makes (WorkerGroup.load_checkpoint), into the workers that wrote
+    it, so the same-grid load costs no second launch.
+    """
+
+    def __init__(self) -> None:
+        self.load_s: float | None = None
+        self.bytes = 0
+        self.path: str | None = None
+
+    def on_step_end(self, trainer: Trainer, record) -> None:
+        from raypar.checkpoint import read_manifest
+
+        if record.step + 1 != trainer.cfg.train.steps:
+            return
+        trainer.saver.finish()
+        ok = [r for r in trainer.saver.results if r.error is None]
+        if not ok:
+            return
+        self.path, self.bytes = ok[-1].path, ok[-1].bytes
+        t0 = time.perf_counter()
+        manifest = read_manifest(self.path)
+        same = manifest.topology == {"dp": trainer.grid.dp, "pp": trainer.grid.pp, "ep": trainer.grid.ep}
+        trainer.group.load_checkpoint(self.path, same_grid=same)
+        self.load_s = time.perf_counter() - t0
+
+
+def overlap_cost(summary: "RunSummary", timeline: SaveTimeline) -> float | None:
+    """Mean extra seconds per save of the steps that overlapped it, against clean steps.
+
+    A save copies state to host memory beside the next steps; this is what that costs them.
+    None when every step after warm-up overlapped a save.
+    """
+    times = {r.step: r.step_time_s for r in summary.records}
+    busy: dict[int, list[int]] = {}
+    for done, seen in timeline.commits.items():
+        save_step = done - 1
+        busy[done] = [s for s in range(save_step + 1, seen + 1) if s in times]
+    touched = {s for steps in busy.values() for s in steps} | {d - 1 for d in timeline.commits}
+    clean = [t for s, t in times.items() if s > 0 and s not in touched]
+    if not clean:
+        return None
+    base = statistics.median(clean)
+    extra = [sum(times[s] - base for s in steps) for steps in busy.values() if steps]
+    return statistics.fmean(extra) if extra else 0.0
+
+
+def resharded_load_row(ctx: "Context", saved_cfg: "Config", saved: dict, label: str) -> dict:
+    """A new pp=1 run resuming the pp=2 checkpoint; one step, so the load is used."""
+    overrides = ["parallel.pp=1", "checkpoint.every=0", f"checkpoint.resume={saved['path']}"]
+    cfg = ctx.config(overrides, label, steps=saved["step"] + 1)
+    cfg.data.path = saved_cfg.data.path
+    trainer = ctx.trainer(cfg, label, cls=TimedResume)
+    summary = trainer.fit()
+    if trainer.load_s is None:
+        raise RuntimeError("the run did not resume from the checkpoint")
+    return ctx.row(label, cfg, summary, load_s=trainer.load_s, load_pp=1, bytes=saved["bytes"],
+                   load_bytes_per_s=saved["bytes"] / trainer.load_s)
+
+
+class TimedResume(Trainer):
+    """Times the checkpoint load (manifest + every worker's read) inside `fit`."""
+
+    load_s: float | None = None
+
+    def resume(self, spec):
+        t0 = time.perf_counter()
+        out = super().resume(spec)
+        if spec is not None:
+            self.load_s = time.perf_counter() - t0
+        return out
+
+
+# -- the reference: the same state saved by torch ----------------------------------------------
+
+
+def reference_rows(ctx: "Context", cfg: "Config", where: Path, quick: bool) -> list[dict]:
+    """torch.save and DCP async_save of one optimizer step's state of the whole model."""
+    from raypar.data import TokenDataset
+    from raypar.model import build_stage
+    from raypar.optim import MasterOptimizer
+    from raypar.runtime.state import state_tensors
+
+    device = torch.device("cpu" if ctx.cpu or not torch.cuda.is_available() else "cuda", 0)
+    model = build_stage(cfg.model, 0, 1, cfg.parallel.layers_per_stage, seed=cfg.train.seed, device=device)
+    optimizer = MasterOptimizer(model, cfg.train)
+    tokens, labels = TokenDataset(cfg.data.path, cfg.data.seq_len).get(range(cfg.microbatch_size))
+    model(tokens.to(device), labels.to(device)).backward()  # one step, so the AdamW moments exist
+    optimizer.step(0, float(optimizer.local_sq_norm().sqrt()))
+    state = state_tensors(model, optimizer, None, 0, device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    rows = [torch_save_row(state, nbytes, where)]
+    if not quick:
+        rows.append(dcp_row(state, nbytes, where))
+    del state, optimizer, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next suite's workers need this GPU
+    for r in rows:
+        r.update(device=str(device), config=cfg.to_dict())
+    return rows
+
+
+def torch_save_row(state: dict, nbytes: int, where: Path) -> dict:
+    path = where / "torch-save.pt"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    written = path.stat().st_size
+    path.unlink()
+    return {"label": "torch.save, synchronous (whole model on the driver)", "bytes": written,
+            "state_bytes": nbytes, "stall_s": seconds, "write_s": seconds, "write_bytes_per_s": written / seconds}
+
+
+def dcp_row(state: dict, nbytes: int, where: Path) -> dict:
+    """DCP async_save in a process group of one; 'not available' where it raises."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    label = "torch.distributed.checkpoint.async_save"
+    path = where / "dcp"
+    own = not dist.is_initialized()
+    try:
+        if own:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        t0 = time.perf_counter()
+        pending = dcp.async_save(state, checkpoint_id=str(path))
+        stall = time.perf_counter() - t0
+        # Newer torch returns staging and upload futures; older a single future.
+        getattr(pending, "upload_completion", pending).result()
+        total = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - recorded as a finding, not a harness failure
+        return {"label": label, "unavailable": f"not available: {type(e).__name__}: {e}"[:500]}
+    finally:
+        if own and dist.is_initialized():
+            dist.destroy_process_group()
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    shutil.rmtree(path, ignore_errors=True)
+    return {"label": label, "bytes": written, "state_bytes": nbytes, "stall_s": stall, "write_s": total,
+            "write_bytes_per_s": written / total}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+    ms = lambda s: "-" if s is None else f"{s * 1000:.1f}"  # noqa: E731
+    lines = ["| row | MiB | stall ms per save | stall / step | overlap ms per save | write or load s | MiB/s | "
+             "vs disk | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        stall = ms(r.get("stall_s"))
+        if "stall_mean_s" in r:
+            stall = f"{ms(r['stall_s'])} / {ms(r['stall_mean_s'])}"
+        per_step = f"{r['stall_per_step']:.1%}" if r.get("stall_per_step") is not None else "-"
+        seconds = r.get("load_s", r.get("write_s"))
+        rate = r.get("load_bytes_per_s", r.get("write_bytes_per_s"))
+        note = []
+        if "vs_same_grid" in r:
+            note.append(f"{r['vs_same_grid']:.2f}x the same-grid load")
+        if "save_duration_s" in r:
+            note.append(f"save to commit {r['save_duration_s']:.2f}s = {r['end_to_end_bytes_per_s'] / 2**20:,.0f} MiB/s"
+                        + (f" ({r['end_to_end_vs_disk']:.2f} of disk)" if "end_to_end_vs_disk" in r else "")
+                        + f"; step {r['step_time_s'] * 1000:.0f} ms")
+        if "device" in r:
+            note.append(f"on {r['device']}")
+        vs_disk = f"{r['vs_disk']:.2f}" if r.get("vs_disk") else "-"
+        lines.append(f"| {r['label']} | {r.get('bytes', 0) / 2**20:,.1f} | {stall} | {per_step} | "
+                     f"{ms(r.get('overlap_s'))} | {'-' if seconds is None else f'{seconds:.2f}'} | "
+                     f"{'-' if not rate else f'{rate / 2**20:,.0f}'} | {vs_disk} | {'; '.join(note)} |")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Elastic suite: a stage worker killed mid-run, recovered in place (`elastic.enabled`), against
+a full restart of the same job from the same checkpoint (a new Trainer resuming it, as Ray
+Train restarts a failed run).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from raypar.callbacks import Callback
+
+if TYPE_CHECKING:
+    from raypar.trainer import Trainer
+
+    from bench.run import Context
+
+TITLE = "recovery from a killed stage worker against a full restart from the same checkpoint"
+NOTES = ("detection: from the step's issue to the failure being seen; recovery: from detection to the end of "
+         "the first step after it (raypar's summary.recoveries); restart: from constructing a new Trainer "
+         "(checkpoint.resume=the checkpoint the recovery loaded) to the end of its first step, in the same "
+         "Ray cluster; ratio: recovery / restart (below 1: recovering in place is faster).")
+
+EVERY = 2  # checkpoint interval of the killed run
+KILL_AFTER = 2  # the worker dies after this step (0-based), once the save before it committed
+
+
+class KillAfterCommit(Callback):
+    """Kills stage worker `rank` after step `at`, once the save started before it committed.
+
+    Waiting for the commit makes the recovery and the full restart resume from the same step.
+    After the recovery's first step the run stops: the rest would measure nothing new.
+    """
+
+    def __init__(self, at: int, rank: int):
+        self.at, self.rank = at, rank
+        self.killed_at: float | None = None
+
+    def on_step_end(self, trainer: "Trainer", record) -> None:
+        import ray
+
+        if record.step == self.at and self.killed_at is None:
+            trainer.saver.finish()
+            self.killed_at = time.time()
+            ray.kill(trainer.group.workers[self.rank])
+
+    def on_recovery(self, trainer: "Trainer", event: dict) -> None:
+        trainer.request_stop(save=False)
+
+
+class FirstStep(Callback):
+    """When the workers came up and when the first step ended (time.monotonic)."""
+
+    def __init__(self) -> None:
+        self.up: float | None = None
+        self.first_step: float | None = None
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        self.up = self.up or time.monotonic()
+
+    def on_step_end(self, trainer: "Trainer", record) -> None:
+        self.first_step = self.first_step or time.monotonic()
+
+
+def run(ctx: "Context") -> list[dict]:
+    steps = max(ctx.default_steps(), KILL_AFTER + 2)
+    overrides = ["parallel.pp=2", "elastic.enabled=true", "elastic.min_workers=2", "elastic.resource_timeout_s=60",
+                 f"checkpoint.every={EVERY}", "checkpoint.keep_last=3"]
+    cfg = ctx.config(overrides, "killed", steps=steps)
+    cfg.data.path = ctx.corpus(cfg)
+    label = f"elastic recovery: stage worker {cfg.parallel.pp - 1} killed after step {KILL_AFTER}"
+    recovered: dict = {}
+    rows = ctx.attempt(label, lambda: recovery_row(ctx, cfg, label, recovered), min_time_s=60)
+    if recovered:
+        rows += ctx.attempt("full restart from the same checkpoint", lambda: restart_row(ctx, cfg, recovered))
+    return rows
+
+
+def recovery_row(ctx: "Context", cfg, label: str, recovered: dict) -> dict:
+    from raypar.checkpoint import checkpoint_dir
+
+    kill = KillAfterCommit(KILL_AFTER, cfg.parallel.pp - 1)
+    trainer = ctx.trainer(cfg, label, callbacks=[kill])
+    summary = trainer.fit()
+    if not summary.recoveries and trainer.bench_stop.stopped_after is not None:
+        return {"label": label, "skipped": f"time budget: stopped after step {trainer.bench_stop.stopped_after}, "
+                                           f"before the kill"}
+    if not summary.recoveries:
+        raise RuntimeError(f"no recovery recorded (killed: {kill.killed_at is not None}, restarts {summary.restarts})")
+    event = summary.recoveries[0]
+    # Step 0 means no checkpoint had committed: the recovery started over, and so does the restart.
+    path = checkpoint_dir(trainer.saver.root, event["resumed_step"]) if event["resumed_step"] else None
+    recovered.update(event, path=path and str(path))
+    return ctx.row(label, cfg, summary, detection_s=event["detection_s"], recovery_s=event["recovery_s"],
+                   steps_lost=event["steps_lost"], failed_grid=event["failed_grid"], recovered_grid=event["grid"],
+                   resumed_step=event["resumed_step"])
+
+
+def restart_row(ctx: "Context", killed_cfg, recovered: dict) -> dict:
+    label = "full restart from the same checkpoint"
+    overrides = ["parallel.pp=2", "checkpoint.every=0"]
+    if recovered["path"]:
+        overrides.append(f"checkpoint.resume={recovered['path']}")
+    cfg = ctx.config(overrides, "restart", steps=recovered["resumed_step"] + 1)
+    cfg.data.path = killed_cfg.data.path
+    first = FirstStep()
+    t0 = time.monotonic()
+    summary = ctx.trainer(cfg, label, callbacks=[first]).fit()
+    if first.first_step is None:
+        raise RuntimeError("the restarted run ran no step")
+    restart_s = first.first_step - t0
+    return ctx.row(label, cfg, summary, restart_s=restart_s, workers_up_s=first.up - t0,
+                   resumed_step=recovered["resumed_step"], recovery_vs_restart=recovered["recovery_s"] / restart_s)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | detection s | recovery / restart s (to first step end) | workers up and loaded s | steps redone | "
+             "grid | recovery / restart |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "recovery_s" in r:
+            lines.append(f"| {r['label']} | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | | {r['steps_lost']} | "
+                         f"{r['failed_grid']} -> {r['recovered_grid']} | |")
+        else:
+            lines.append(f"| {r['label']} (from step {r['resumed_step']}) | | {r['restart_s']:.2f} | "
+                         f"{r['workers_up_s']:.2f} | | {r['grid']} | {r['recovery_vs_restart']:.2f} |")
+    return "\n".join(lines)
