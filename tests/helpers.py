@@ -63,3 +63,10 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
     tokens, labels = dataset.get(batch)
     ref_loss, ref_grads = ref.step(step, tokens.to(device), labels.to(device))
     return step_loss(reports), grads, ref_loss, ref_grads, reports
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, atol: float, where: str) -> None:
+    """Same names, and every tensor close: gradients or weights against the reference."""
+    assert got.keys() == want.keys(), where
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol, msg=lambda m: f"{where} {name}: {m}")

@@ -8,7 +8,7 @@ from raypar.model.moe import MoE
 from raypar.reference import ReferenceTrainer
 from raypar.trainer import Trainer
 
-from helpers import start_group, step_both, synthetic_data, tiny_config
+from helpers import assert_same, start_group, step_both, synthetic_data, tiny_config
 
 MOE = {"n_layers": 2, "n_experts": 4, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
 PLAN = [("1f1b", 2), ("fthenb", 1), ("1f1b", 4), ("fthenb", 2), ("1f1b", 1)]
@@ -41,13 +41,9 @@ def run_against_reference(cfg, tmp_path, plan, setup=None):
             loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m)
             where = f"step {step} ({schedule}, {m} micro-batches)"
             assert loss == pytest.approx(ref_loss, rel=RTOL), where
-            assert grads.keys() == ref_grads.keys(), where
-            for name, g in ref_grads.items():
-                torch.testing.assert_close(grads[name], g, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name}: {m}")
+            assert_same(grads, ref_grads, RTOL, ATOL, where)
             history.append((loss, reports, ref))
-        params, ref_params = group.parameters(), ref.parameters()
-        for name, p in ref_params.items():
-            torch.testing.assert_close(params[name], p, rtol=RTOL, atol=WEIGHT_ATOL, msg=lambda m: f"weights {name}: {m}")
+        assert_same(group.parameters(), ref.parameters(), RTOL, WEIGHT_ATOL, "weights")
     finally:
         group.shutdown()
     return history

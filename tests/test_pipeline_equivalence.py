@@ -1,11 +1,10 @@
 """Pipelined training equals the single-process model: loss, every gradient, weights."""
 import pytest
-import torch
 
 from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
 
-from helpers import start_group, step_both, synthetic_data, tiny_config
+from helpers import assert_same, start_group, step_both, synthetic_data, tiny_config
 
 # Each grid runs every (schedule, micro-batches) pair once, one optimizer step each, so the
 # later steps also check that the optimizer state stayed in lockstep.
@@ -34,12 +33,7 @@ def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
             loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m)
             where = f"step {step} ({schedule}, {m} micro-batches)"
             assert loss == pytest.approx(ref_loss, rel=RTOL), where
-            assert grads.keys() == ref_grads.keys(), where
-            for name, g in ref_grads.items():
-                torch.testing.assert_close(grads[name], g, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {name}: {m}")
-        params, ref_params = group.parameters(), ref.parameters()
-        assert params.keys() == ref_params.keys()
-        for name, p in ref_params.items():
-            torch.testing.assert_close(params[name], p, rtol=RTOL, atol=ATOL, msg=lambda m: f"weights {name}: {m}")
+            assert_same(grads, ref_grads, RTOL, ATOL, where)
+        assert_same(group.parameters(), ref.parameters(), RTOL, ATOL, "weights")
     finally:
         group.shutdown()
