@@ -89,13 +89,6 @@ class StageWorker:
 
         return [n for n, _ in self.runtime.model.named_parameters() if writes(self.grid.coord(self.rank), n)]
 
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        from raypar.runtime.state import state_tensors
-
-        rt = self.runtime
-        held = state_tensors(rt.model, rt.optimizer, None, rt.rank, rt.device)
-        return {n: t.detach().float().cpu().clone() for n, t in held.items() if n.startswith("optim.")}
-
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.runtime.load_parameters(tensors)
 

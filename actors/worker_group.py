@@ -33,6 +33,8 @@ class WorkerGroup:
     def __init__(self, cfg: Config, grid: Grid, resources: WorkerResources, data_path: str):
         self.cfg = cfg
         self.grid = grid
+        self._writers: dict = {}  # node id -> CheckpointWriter, started on first use
+        self._exports: list = []  # the last snapshot's export refs, still leaving the workers
         self.pg = placement_group([resources.bundle()] * grid.size, strategy="PACK")
         timeout = cfg.runtime.placement_timeout_s
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
@@ -74,8 +76,6 @@ class WorkerGroup:
 
         from .checkpoint_writer import CheckpointWriter
 
-        if not hasattr(self, "_writers"):
-            self._writers = {}
         for node in dict.fromkeys(i["node_id"] for i in self.info):
             if node not in self._writers:
                 self._writers[node] = CheckpointWriter.options(
@@ -96,7 +96,7 @@ class WorkerGroup:
 
     def reset_writers(self) -> None:
         """Drop the writers (after one died); the next save starts fresh ones."""
-        for w in getattr(self, "_writers", {}).values():
+        for w in self._writers.values():
             ray.kill(w)
         self._writers = {}
 
@@ -122,7 +122,7 @@ class WorkerGroup:
     def wait_exports(self, timeout: float) -> float:
         """Block until the last snapshot left every worker: its host buffers get reused next."""
         t0 = time.perf_counter()
-        exports, self._exports = getattr(self, "_exports", []), []
+        exports, self._exports = self._exports, []
         if exports:
             ray.wait(exports, num_returns=len(exports), timeout=timeout)
         return time.perf_counter() - t0
@@ -166,7 +166,7 @@ class WorkerGroup:
         return ray.get(refs)
 
     def shutdown(self) -> None:
-        for w in [*self.workers, *getattr(self, "_writers", {}).values()]:
+        for w in [*self.workers, *self._writers.values()]:
             try:
                 ray.kill(w)
             except Exception:

@@ -153,6 +153,8 @@ class Trainer:
                                   f"(expected a Hugging Face model folder saved with safetensors)")
             cfg.model.init_from = str(hf_dir)
         self.group = None
+        self.device: str | None = None  # "cpu" or "cuda" once the workers are placed
+        self._step_issued: float | None = None  # when the step in flight was sent to the workers
         self.saver = Saver(cfg, self.run_dir, self.grid, self.log,
                            on_result=lambda r: [c.on_checkpoint(self, r) for c in self.callbacks])
         self.start_step = 0
@@ -234,7 +236,7 @@ class Trainer:
                 raise ResourceError(
                     f"no grid of at least elastic.min_workers={self.cfg.elastic.min_workers} workers fits: the cluster "
                     f"has room for {slots} workers of {self.cfg.runtime.cpus_per_worker:g} CPUs"
-                    + (" and 1 GPU" if getattr(self, "device", "cpu") == "cuda" else "")
+                    + (" and 1 GPU" if self._device() == "cuda" else "")
                     + f" after waiting elastic.resource_timeout_s={self.cfg.elastic.resource_timeout_s:g}s"
                 )
             time.sleep(1.0)
@@ -391,7 +393,7 @@ class Trainer:
             self._recovery["attempts"] += 1
         else:
             self._recovery = {"error": type(error).__name__, "failed_grid": str(self.grid), "detected_at": detected,
-                              "detection_s": detected - getattr(self, "_step_issued", detected),
+                              "detection_s": detected - (self._step_issued or detected),
                               "restart": self.restarts, "attempts": 1, "steps_done": self._max_step_done}
         self.controller.to(State.PLANNING)
         return "latest"
@@ -433,12 +435,17 @@ class Trainer:
     def _worker_slots(self, resources: dict[str, float]) -> int:
         cpus = self.cfg.runtime.cpus_per_worker
         slots = int(resources.get("CPU", 0.0) / cpus + 1e-9)
-        device = self.cfg.runtime.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-        if device == "cuda":
+        if self._device() == "cuda":
             slots = min(slots, int(resources.get("GPU", 0.0)))
         return slots
+
+    def _device(self) -> str:
+        """The device workers get: as placed, or as planning for this cluster would choose."""
+        if self.device is not None:
+            return self.device
+        if self.cfg.runtime.device != "auto":
+            return self.cfg.runtime.device
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
     def _can_grow(self) -> bool:
         import ray
@@ -543,7 +550,7 @@ class Trainer:
         ok = [r for r in self.saver.results if r.error is None]
         write_status(self.run_dir, run_dir=str(self.run_dir), state=self.controller.state.value, grid=str(self.grid),
                      schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
-                     device=getattr(self, "device", None), step=step, total_steps=self.cfg.train.steps,
+                     device=self.device, step=step, total_steps=self.cfg.train.steps,
                      loss=loss, last_checkpoint=ok[-1].path if ok else None, restarts=self.restarts)
 
     def _summarise(self, records: list[StepRecord], consumed: int) -> RunSummary:
@@ -558,7 +565,7 @@ class Trainer:
             grid=str(self.grid),
             schedule=self.cfg.parallel.schedule,
             microbatches=self.cfg.parallel.microbatches,
-            device=getattr(self, "device", "?"),
+            device=self.device or "?",
             final_loss=records[-1].loss if records else float("nan"),
             tokens_per_s=tokens / step_time if step_time else 0.0,
             step_time_s=step_time,

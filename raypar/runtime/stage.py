@@ -115,7 +115,7 @@ class StageRuntime:
         outputs: dict[int, torch.Tensor] = {}
         grad_out: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        marks: list[tuple[str, object, object]] = []
+        marks: list[tuple[str, object, object, bool]] = []  # (actions, start, end, compute?)
         released = 0
         grad_norm, lr, grads = 0.0, 0.0, None
         last_backward = None
@@ -160,16 +160,15 @@ class StageRuntime:
             else:
                 raise ValueError(f"stage {self.stage}: cannot execute {head}")
             end = self.clock.mark()
-            label = " ".join(str(a) for a in unit)
-            marks.append((label, begin, end))
+            marks.append((" ".join(str(a) for a in unit), begin, end, head.op in COMPUTE_OPS))
             if head.op == Op.B:
                 last_backward = end
             self.tracker.sample()
             peak_live = max(peak_live, self.tracker.live_microbatches())
 
         self.clock.finish()
-        events = [(label, self.clock.seconds(b), self.clock.seconds(e)) for label, b, e in marks]
-        compute = sum(e - b for label, b, e in events if label[0] in "FB" and label[1:].isdigit())
+        events = [(label, self.clock.seconds(b), self.clock.seconds(e)) for label, b, e, _ in marks]
+        compute = sum(e - b for (_, b, e), (*_, is_compute) in zip(events, marks) if is_compute)
         loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
         peak_act = self.tracker.peak_bytes
         expert_tokens = {layer: m.stats.routed.cpu().tolist() for layer, m in self.moe_layers.items()
