@@ -23,6 +23,7 @@ GPU_MODEL = ["model.vocab_size=32000", "model.dim=1536", "model.n_layers=8", "mo
              "model.max_seq_len=1024", "model.dtype=bfloat16", "data.seq_len=1024"]
 # (label, dp, pp, ep, micro-batches): 2 sequences per micro-batch in both rows.
 GRIDS = [("ep=2, grid (1,1,2)", 1, 1, 2, 4), ("pp=2, grid (1,2,1)", 1, 2, 1, 8)]
+KERNELS_OFF = "ep=2, grid (1,1,2), kernels off (torch permute)"
 P2P_BYTES = 256 * 2**20
 P2P_ITERS = 10
 
@@ -35,9 +36,12 @@ def run(ctx: "Context") -> list[dict]:
     else:
         rows = ctx.attempt("NCCL p2p send/recv, 256 MiB", p2p_row, min_time_s=15)
     grids = GRIDS[:1] if ctx.quick else GRIDS
+    if not ctx.cpu:  # on CPU every op runs its torch reference anyway
+        grids = [*grids, (KERNELS_OFF, *GRIDS[0][1:])]
     for label, dp, pp, ep, mb in grids:
         overrides = [*([] if ctx.cpu else GPU_MODEL), *MOE, f"parallel.dp={dp}", f"parallel.pp={pp}",
-                     f"parallel.ep={ep}", f"parallel.microbatches={mb}", "parallel.schedule=1f1b"]
+                     f"parallel.ep={ep}", f"parallel.microbatches={mb}", "parallel.schedule=1f1b",
+                     f"runtime.kernels={'false' if label == KERNELS_OFF else 'true'}"]
         cfg = ctx.config(overrides, label)
 
         def one(label=label, cfg=cfg) -> dict:

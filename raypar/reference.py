@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from raypar.config import Config
+from raypar.kernels import sample_seeds
 from raypar.model import build_stage
 from raypar.optim import MasterOptimizer
 
@@ -17,9 +18,19 @@ class ReferenceTrainer:
         self.model = build_stage(cfg.model, 0, 1, seed=cfg.train.seed, device=torch.device(device))
         self.optimizer = MasterOptimizer(self.model, cfg.train)
 
-    def step(self, step: int, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-        """One optimizer step on the full batch; returns the loss and the unclipped gradients."""
-        loss = self.model(tokens, labels)
+    def step(self, step: int, tokens: torch.Tensor, labels: torch.Tensor,
+             sample_ids: list[int] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+        """One optimizer step on the full batch; returns the loss and the unclipped gradients.
+
+        `sample_ids` (the batch's global sample ids) give the dropout seeds; needed when
+        model.dropout > 0.
+        """
+        seeds = None
+        if self.cfg.model.dropout > 0:
+            if sample_ids is None:
+                raise ValueError("model.dropout > 0: pass the batch's sample_ids so the masks match the pipelined run")
+            seeds = sample_seeds(self.cfg.train.seed, step, sample_ids, tokens.device)
+        loss = self.model(tokens, labels, seeds)
         loss.backward()
         grads = {n: g.detach().float().clone() for n, g in self.optimizer.named_grads().items()}
         norm = float(self.optimizer.local_sq_norm().sqrt())

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raypar.config import ModelConfig
+from raypar.kernels import permute, unpermute
 
 
 class MoEStats:
@@ -153,20 +154,23 @@ class MoE(nn.Module):
         weights, experts, keep, aux, z = route(logits, self.top_k, self.capacity_factor)
         self.stats.add(torch.bincount(experts.flatten(), minlength=self.n_experts), (~keep).sum())
 
+        # A slot is one kept (token, choice); slots are sorted by expert. slots[n, j] is the
+        # slot of token n's j-th choice, -1 when the capacity dropped it.
         kept = keep.flatten().nonzero().squeeze(1)
+        kept = kept[torch.argsort(experts.flatten()[kept], stable=True)]
         token = kept // self.top_k
         expert = experts.flatten()[kept]
         weight = weights.flatten()[kept]
-        order = torch.argsort(expert, stable=True)
-        token, expert, weight = token[order], expert[order], weight[order]
-        rows = x.reshape(b * t, d)[token]
+        slots = torch.full((b * t * self.top_k,), -1, dtype=torch.int64, device=x.device)
+        slots[kept] = torch.arange(kept.numel(), device=x.device)
+        slots = slots.view(b * t, self.top_k)
+        rows = permute(x.reshape(b * t, d), token, slots)
         counts = torch.bincount(expert, minlength=self.n_experts)
         if self.ep_size == 1:
             out_rows = self._run_experts(rows, counts)
         else:
             out_rows = self._exchange_and_run(rows, counts)
-        out = torch.zeros_like(x.reshape(b * t, d)).index_add(0, token, out_rows * weight.to(x.dtype).unsqueeze(1))
-        out = out.reshape(b, t, d)
+        out = unpermute(out_rows, weight, token, slots).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
@@ -193,6 +197,8 @@ class MoE(nn.Module):
         # Received rows are grouped by source rank, then expert; regroup by expert.
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.flatten())
         by_expert = torch.argsort(expert_of_row, stable=True)
-        out_local = self._run_experts(received[by_expert], recv_counts.sum(dim=0))
-        back = out_local[torch.argsort(by_expert)]
+        by_source = torch.argsort(by_expert)
+        # A permutation is a permute whose every token has one slot: its inverse.
+        out_local = self._run_experts(permute(received, by_expert, by_source.unsqueeze(1)), recv_counts.sum(dim=0))
+        back = permute(out_local, by_source, by_expert.unsqueeze(1))
         return _AllToAll.apply(back, recv, send, group, self.stats)

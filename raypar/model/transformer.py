@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from raypar.config import ModelConfig
+from raypar.kernels import dropout_add, site_salt
 
 __all__ = [
     "RMSNorm",
@@ -146,14 +147,23 @@ class Block(nn.Module):
         super().__init__()
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
+        self.dropout = cfg.dropout
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
         self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, seeds: Tensor | None = None) -> Tensor:
+        h = self._residual(self.attn(self.attn_norm(x), cos, sin), x, seeds, site=0)
+        return self._residual(self.mlp(self.mlp_norm(h)), h, seeds, site=1)
+
+    def _residual(self, branch: Tensor, x: Tensor, seeds: Tensor | None, site: int) -> Tensor:
+        if not (self.dropout and self.training):
+            return x + branch
+        if seeds is None:
+            raise ValueError("model.dropout > 0 needs one dropout seed per sample in training: pass "
+                             "seeds=raypar.kernels.sample_seeds(seed, step, sample_ids), or call model.eval()")
+        return dropout_add(branch, x, seeds, self.dropout, site_salt(self.layer_id, site))
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,7 +226,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, labels: Tensor | None = None, seeds: Tensor | None = None) -> Tensor:
+        """Loss (with labels), logits, or hidden states; `seeds`: per-sample dropout seeds [b]."""
         if self.has_embed:
             if x.dtype.is_floating_point:
                 raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
@@ -235,9 +246,9 @@ class Transformer(nn.Module):
             if use_recompute:
                 if self.on_block_input is not None:
                     self.on_block_input(h)
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h = checkpoint(block, h, cos, sin, seeds, use_reentrant=False)
             else:
-                h = block(h, cos, sin)
+                h = block(h, cos, sin, seeds)
 
         if not self.has_head:
             if labels is not None:

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from raypar.kernels import copy_
+
 
 class StateSnapshot:
     def __init__(self) -> None:
@@ -36,8 +38,12 @@ class StateSnapshot:
         if cuda:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                for name, t in tensors.items():
-                    self._buffers[name].copy_(t, non_blocking=True)
+                # One launch for the device tensors (the kernel), one copy for each other
+                # (host-side state such as RNG states, non-contiguous views).
+                on_device = [n for n, t in tensors.items() if t.is_cuda and t.is_contiguous()]
+                copy_([tensors[n] for n in on_device], [self._buffers[n] for n in on_device])
+                for name in tensors.keys() - set(on_device):
+                    self._buffers[name].copy_(tensors[name], non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
         else:

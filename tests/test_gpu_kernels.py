@@ -1,0 +1,185 @@
+"""The CUDA kernels against their torch references, on the GPU machine.
+
+Fresh random inputs of several shapes (zero-token experts, dropped tokens, odd sizes that
+take the scalar path, non-contiguous inputs); outputs land in memory poisoned with NaN
+first, so an element a kernel forgot to write shows up.
+"""
+import pytest
+import torch
+
+from raypar import kernels
+from raypar.kernels import loader
+from raypar.kernels.moe_permute import permute, unpermute
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-3),
+       torch.float16: dict(rtol=1e-3, atol=1e-4)}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on():
+    if torch.cuda.is_available() and loader.unavailable_reason() is not None:
+        pytest.fail(f"the GPU machine should run the kernels: {loader.unavailable_reason()}")
+    kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(True)
+
+
+def _poison(nbytes: int = 256 << 20) -> None:
+    """Fill free memory of the caching allocator with NaN, so fresh outputs start as NaN."""
+    torch.cuda.synchronize()
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+def _reference(fn):
+    kernels.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        kernels.set_enabled(True)
+
+
+def _routing(n, k, n_experts, drop_every, skew, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(n, n_experts, device="cuda", generator=g)
+    if skew:  # every token prefers the first experts: the others receive zero tokens
+        logits[:, :k] += 100.0
+    weights, experts = logits.softmax(-1).topk(k, dim=-1)
+    keep = torch.ones(n * k, dtype=torch.bool, device="cuda")
+    if drop_every:
+        keep[::drop_every] = False
+    kept = keep.nonzero().squeeze(1)
+    kept = kept[torch.argsort(experts.flatten()[kept], stable=True)]
+    slots = torch.full((n * k,), -1, dtype=torch.int64, device="cuda")
+    slots[kept] = torch.arange(kept.numel(), device="cuda")
+    return kept // k, slots.view(n, k), weights.flatten()[kept].float()
+
+
+CASES = [  # n tokens, k, experts, d, dtype, drop every, skewed
+    (4096, 2, 8, 1024, torch.bfloat16, 0, False),
+    (1000, 2, 8, 512, torch.bfloat16, 3, True),
+    (333, 1, 4, 33, torch.float32, 0, False),
+    (257, 2, 16, 96, torch.float16, 5, True),
+    (64, 2, 4, 7, torch.bfloat16, 0, False),
+    (0, 2, 4, 64, torch.bfloat16, 0, False),
+]
+
+
+@pytest.mark.parametrize("n,k,n_experts,d,dtype,drop_every,skew", CASES)
+def test_permute_unpermute_match_reference(n, k, n_experts, d, dtype, drop_every, skew):
+    token, slots, weight = _routing(n, k, n_experts, drop_every, skew, seed=n + d)
+    x = torch.randn(n, d, device="cuda", dtype=dtype)
+    up = torch.randn(n, d, device="cuda", dtype=dtype)
+
+    def run():
+        xs = x.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        _poison()
+        y = permute(xs, token, slots)
+        y2 = y * 1.5  # stands in for the experts
+        out = unpermute(y2, w, token, slots)
+        out.backward(up)
+        return y.detach(), out.detach(), xs.grad, w.grad
+
+    got, want = run(), _reference(run)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # permute copies bits
+    for name, g, r in zip(("unpermute", "grad x", "grad weight"), got[1:], want[1:]):
+        assert not torch.isnan(g).any(), f"{name}: unwritten (NaN) elements"
+        # The weight gradient is an fp32 dot product over d: summation order moves it by
+        # a few fp32 ulps of the row's magnitude, not of the (often cancelling) result.
+        tol = TOL[dtype] if name != "grad weight" else dict(rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(g, r, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_permute_handles_non_contiguous_rows():
+    token, slots, weight = _routing(300, 2, 8, 0, False, seed=1)
+    base = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    x = base[:, ::2]  # every other column: not contiguous
+    got = permute(x, token, slots)
+    torch.testing.assert_close(got, x[token], rtol=0, atol=0)
+    y = torch.randn(token.numel(), 256, device="cuda", dtype=torch.bfloat16)[:, 1::2]
+    got = unpermute(y, weight, token, slots)
+    want = _reference(lambda: unpermute(y, weight, token, slots))
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("shape,dtype,p", [((4, 128, 512), torch.bfloat16, 0.1), ((3, 7, 33), torch.float32, 0.3),
+                                           ((2, 5, 64), torch.float16, 0.5), ((1, 1, 8), torch.bfloat16, 0.2)])
+def test_dropout_add_matches_reference(shape, dtype, p):
+    seeds = kernels.sample_seeds(11, 3, list(range(shape[0])), "cuda")
+    salt = kernels.site_salt(5, 1)
+    # The kernel's mask is the reference's, bit for bit.
+    _poison()
+    ones = kernels.dropout_add(torch.ones(shape, device="cuda", dtype=dtype), torch.zeros(shape, device="cuda", dtype=dtype),
+                               seeds, p, salt)
+    mask = kernels.keep_mask(seeds, ones[0].numel(), salt, p).reshape(shape)
+    assert torch.equal(ones != 0, mask)
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    res = torch.randn(shape, device="cuda", dtype=dtype)
+    up = torch.randn(shape, device="cuda", dtype=dtype)
+
+    def run():
+        xs, rs = x.clone().requires_grad_(True), res.clone().requires_grad_(True)
+        _poison()
+        out = kernels.dropout_add(xs, rs, seeds, p, salt)
+        out.backward(up)
+        return out.detach(), xs.grad, rs.grad
+
+    for name, g, r in zip(("out", "grad x", "grad residual"), run(), _reference(run)):
+        assert not torch.isnan(g).any(), f"{name}: unwritten (NaN) elements"
+        torch.testing.assert_close(g, r, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_add_float64_falls_back_and_says_so(capsys):
+    loader._said.discard(f"dropout_add/{torch.float64}")
+    x = torch.randn(2, 8, device="cuda", dtype=torch.float64)
+    seeds = kernels.sample_seeds(0, 0, [0, 1], "cuda")
+    out = kernels.dropout_add(x, x, seeds, 0.5, 1)
+    torch.testing.assert_close(out, kernels.dropout_add_reference(x, x, seeds, 0.5, 1))
+    kernels.dropout_add(x, x, seeds, 0.5, 1)
+    assert capsys.readouterr().out.count("would lose precision") == 1
+
+
+def test_multi_tensor_copy_into_pinned_and_device_buffers():
+    torch.manual_seed(0)
+    big = torch.randn(1 << 20, device="cuda")
+    sources = [torch.randn(1000, 33, device="cuda"), torch.randn(0, device="cuda"),
+               torch.randn(5, device="cuda").bfloat16(), big[1:4099],  # unaligned start
+               torch.randn(3 << 20, device="cuda").half(), torch.randint(0, 9, (77,), device="cuda")]
+    for pinned in (True, False):
+        dests = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) if pinned else torch.empty_like(s)
+                 for s in sources]
+        for d in dests:
+            d.view(torch.uint8).fill_(0xFF) if d.numel() else None
+        kernels.copy_(sources, dests)
+        torch.cuda.synchronize()
+        for s, d in zip(sources, dests):
+            assert torch.equal(s.cpu(), d.cpu()), (s.shape, s.dtype, pinned)
+
+
+def test_multi_tensor_ema_matches_reference():
+    torch.manual_seed(0)
+    weights = [torch.randn(4097, device="cuda").bfloat16(), torch.randn(300, 7, device="cuda"),
+               torch.randn(1 << 20, device="cuda").half(), torch.randn(0, device="cuda")]
+    emas = [torch.randn(w.shape, device="cuda") for w in weights]
+    want = [e.clone() for e in emas]
+    kernels.ema_update_(emas, weights, 0.99)
+    _reference(lambda: kernels.ema_update_(want, weights, 0.99))
+    for e, r in zip(emas, want):
+        torch.testing.assert_close(e, r, rtol=1e-6, atol=1e-6)
+
+
+def test_training_with_kernels_on_and_off_gives_the_same_losses(ray_session, tmp_path):
+    from helpers import tiny_config
+    from raypar.trainer import Trainer
+
+    losses = {}
+    for on in (True, False):
+        cfg = tiny_config(tmp_path / str(on), model={"dtype": "bfloat16", "n_experts": 4, "moe_top_k": 2,
+                                                     "dropout": 0.1, "dim": 64},
+                          parallel={"pp": 1}, train={"steps": 6, "lr": 3e-3},
+                          runtime={"device": "cuda", "kernels": on})
+        losses[on] = [r.loss for r in Trainer(cfg).fit().records]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-2, atol=1e-2)
