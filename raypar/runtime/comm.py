@@ -26,6 +26,26 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
         _wait(work, timeout, f"p2p exchange with ranks {sorted({p for _, p in sends + recvs})}")
 
 
+def connect_neighbours(prev: int | None, next_: int | None, device: torch.device, timeout: timedelta) -> None:
+    """One exchange with each pipeline neighbour, both directions in one batch, before any step.
+
+    NCCL connects a pair of ranks lazily, inside their first send or receive. Without this,
+    forward-then-backward's first connection from the next stage back to this one is made
+    in the batch that pairs the last forward send with the first gradient receive, while
+    the peer sits in a plain receive of that forward: on the 1B model that step never
+    finished (BENCHMARKS.md). Here every rank posts both directions to both neighbours at
+    once, so the connections exist before a schedule's asymmetric batches run.
+    """
+    peers = [p for p in (prev, next_) if p is not None]
+    if not peers:
+        return
+    sends = [(torch.zeros(1, device=device), p) for p in peers]
+    recvs = [(torch.empty(1, device=device), p) for p in peers]
+    exchange(sends, recvs, timeout)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def all_reduce_(tensors: list[torch.Tensor], group, timeout: timedelta, average: bool = False) -> None:
     """Sum (or average) tensors in place over `group`, as one flat buffer."""
     if group is None or not tensors:
