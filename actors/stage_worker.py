@@ -8,6 +8,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from raypar import kernels
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.runtime.groups import build_groups, init_world
@@ -22,7 +23,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(concurrency_groups={"io": 1})
+class ProgramVersionError(RuntimeError):
+    """A step named a program version the worker was not sent (a driver bug)."""
+
+
+@ray.remote(concurrency_groups={"io": 1, "control": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
         self.cfg: Config = config_from_dict(cfg)
@@ -37,30 +42,51 @@ class StageWorker:
             # Several workers share a node's cores: one intra-op thread each avoids thrashing.
             torch.set_num_threads(max(1, int(self.cfg.runtime.cpus_per_worker)))
         self.data_path = data_path
+        self._dataset: TokenDataset | None = None  # opened on first use, kept across re-plans
         self.runtime: StageRuntime | None = None
+        self.program_version = 0  # of the program set by set_program; 0: none yet
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> dict:
+    def setup(self, master_addr: str, master_port: int, cfg: dict | None = None, grid: Grid | None = None,
+              rank: int | None = None) -> dict:
+        """Join the process groups and build this cell's stage. After a failure, a kept worker
+        is set up again with the new plan's config, grid and rank (see `reset`)."""
+        if cfg is not None:
+            self.cfg, self.grid, self.rank = config_from_dict(cfg), grid, rank
         timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
         groups = build_groups(self.grid, self.rank, timeout)
         coord = self.grid.coord(self.rank)
         needs_data = coord.pp in (0, self.grid.pp - 1)
-        dataset = TokenDataset(self.data_path, self.cfg.data.seq_len) if needs_data else None
+        if needs_data and self._dataset is None:
+            self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
+        dataset = self._dataset if needs_data else None
         torch.manual_seed(self.cfg.train.seed)
+        kernels.set_enabled(self.cfg.runtime.kernels)
+        # Compile at start-up (cached on the node), so the first step does not pay for it.
+        kernel_status = kernels.load_all() if self.device.type == "cuda" else {}
         self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset)
         return {"rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "device": str(self.device), "backend": backend}
+                "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status}
 
-    def run_step(self, step: int, program: list[Action], sample_ids: list[int],
+    def set_program(self, version: int, program: list[Action]) -> None:
+        """The program of this worker's stage; steps name it by `version` (sent once per plan)."""
+        self.runtime.set_program(program)
+        self.program_version = version
+
+    def run_step(self, step: int, version: int, sample_ids: list[int],
                  capture_grads: bool = False, snapshot: dict | None = None) -> StepReport:
-        """One step; with `snapshot` (save options) the state after it starts copying to host."""
-        report = self.runtime.run_step(step, program, sample_ids, capture_grads)
+        """One step of program `version`; with `snapshot` (save options) the state after it
+        starts copying to host. The report carries numbers, not the program's labels."""
+        if version != self.program_version:
+            raise ProgramVersionError(f"rank {self.rank}: step {step} is for program version {version}, this worker "
+                                      f"holds version {self.program_version} (set_programs was not called)")
+        report = self.runtime.run_step(step, sample_ids, capture_grads)
         if snapshot is not None:
             report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
         return report
@@ -95,8 +121,45 @@ class StageWorker:
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 
-    def shutdown(self) -> None:
+    def reset(self) -> str:
+        """Leave the process groups and drop the stage, keeping the process (and its CUDA
+        context, imports and kernels) for the next plan's `setup`. Runs after the failed step
+        has returned on this worker. Returns this worker's node id."""
+        import gc
+
+        self.runtime = None
+        self.program_version = 0
+        self._destroy_groups()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ray.get_runtime_context().get_node_id()
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """Break NCCL collectives stuck on a lost peer so that the step in flight returns.
+
+        Runs beside run_step. Gloo (CPU) needs nothing: a lost peer closes its connections,
+        and a hung one runs into the collective timeout.
+        """
+        import torch.distributed as dist
+
+        if self.device.type == "cuda" and dist.is_initialized():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001 - the driver kills a worker that does not come back
+                    pass
+
+    def _destroy_groups(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - an aborted group may not tear down cleanly; it is gone either way
+                pass
+
+    def shutdown(self) -> None:
+        self._destroy_groups()

@@ -9,7 +9,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypar.config import Config
 from raypar.resources import ResourceError, WorkerResources
-from raypar.runtime.stage import StepReport
+from raypar.runtime.stage import StepReport, label_events, unit_labels
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -25,48 +25,221 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
            "CUDA_MODULE_LOADING": "EAGER"}
 
 
+# How often a wait for all workers looks for one that already failed.
+_ERROR_POLL_S = 0.1
+
+
 class StepTimeout(RuntimeError):
     """Some stage workers did not finish a step in time."""
 
 
 class WorkerGroup:
+    """The stage workers of one grid, one per placement-group bundle (a *slot*).
+
+    After a failure, `salvage` keeps the workers that still answer and `reconfigure` puts the
+    next plan's grid on them plus replacements, instead of starting every worker again.
+    """
+
     def __init__(self, cfg: Config, grid: Grid, resources: WorkerResources, data_path: str):
         self.cfg = cfg
         self.grid = grid
+        self.resources = resources
+        self.data_path = data_path
         self._writers: dict = {}  # node id -> CheckpointWriter, started on first use
         self._exports: list = []  # the last snapshot's export refs, still leaving the workers
-        self.pg = placement_group([resources.bundle()] * grid.size, strategy="PACK")
-        timeout = cfg.runtime.placement_timeout_s
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+        self.program_version = 0  # of the programs the workers hold (set_programs)
+        self.programs: list[list[Action]] = []
+        self._labels: list[list[str]] = []
+        self._pgs: list = []  # every placement group this group reserved
+        self.workers: list = []  # by rank
+        self.slots: list[tuple] = []  # by rank: (placement group, bundle index)
+        self.info: list[dict] = []
+        # After `salvage`: workers kept for the next grid, as (old rank, worker, slot, node id),
+        # and slots whose worker is gone, as (slot, node id or None when unknown).
+        self.survivors: list[tuple] = []
+        self._idle: list[tuple] = []
+        pg = self._reserve(grid.size)
+        self.slots = [(pg, i) for i in range(grid.size)]
+        try:
+            self.workers = [self._start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
+            self._setup(fresh=True)
+        except BaseException:
+            self.shutdown()  # the caller never gets this group: release what it holds
+            raise
+
+    def _reserve(self, n: int):
+        """A placement group of n worker bundles (PACK), or ResourceError within the timeout."""
+        bundle = self.resources.bundle()
+        pg = placement_group([bundle] * n, strategy="PACK")
+        timeout = self.cfg.runtime.placement_timeout_s
+        ready, _ = ray.wait([pg.ready()], timeout=timeout)
         if not ready:
-            remove_placement_group(self.pg)
+            remove_placement_group(pg)
             raise ResourceError(
-                f"could not place {grid.size} stage workers with {resources.bundle()} each within "
+                f"could not place {n} stage workers with {bundle} each within "
                 f"runtime.placement_timeout_s={timeout:g}s; the cluster is busy or its free resources are "
                 f"split across nodes (ray status shows them)"
             )
-        env = {"env_vars": GPU_ENV} if resources.device == "cuda" else None
-        cfg_dict = cfg.to_dict()
-        self.workers = [
-            StageWorker.options(
-                num_cpus=resources.cpus,
-                num_gpus=resources.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-                runtime_env=env,
-                name=None,
-            ).remote(cfg_dict, grid, rank, resources.device, data_path)
-            for rank in range(grid.size)
-        ]
-        setup_timeout = cfg.runtime.collective_timeout_s + 120.0
-        addr, port = ray.get(self.workers[0].address.remote(), timeout=setup_timeout)
-        self.info = self._get([w.setup.remote(addr, port) for w in self.workers], setup_timeout, "setup")
+        self._pgs.append(pg)
+        return pg
 
-    def run_step(self, step: int, programs: list[list[Action]], sample_ids: list[list[int]],
-                 capture_grads: bool = False, snapshot: dict | None = None) -> list[StepReport]:
-        """programs[rank] and sample_ids[rank]; one Ray call per worker."""
-        refs = [w.run_step.remote(step, programs[r], sample_ids[r], capture_grads, snapshot)
+    def _start_worker(self, slot: tuple, rank: int):
+        pg, bundle = slot
+        env = {"env_vars": GPU_ENV} if self.resources.device == "cuda" else None
+        return StageWorker.options(
+            num_cpus=self.resources.cpus,
+            num_gpus=self.resources.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            runtime_env=env,
+            name=None,
+        ).remote(self.cfg.to_dict(), self.grid, rank, self.resources.device, self.data_path)
+
+    def _setup(self, fresh: bool) -> None:
+        """Wire the process groups of the current grid and build every worker's stage."""
+        setup_timeout = self.cfg.runtime.collective_timeout_s + 120.0
+        addr, port = ray.get(self.workers[0].address.remote(), timeout=setup_timeout)
+        args = () if fresh else (self.cfg.to_dict(), self.grid)
+        refs = [w.setup.remote(addr, port, *args, *(() if fresh else (rank,))) for rank, w in enumerate(self.workers)]
+        self.info = self._get(refs, setup_timeout, "setup")
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def salvage(self, timeout: float, keep_writers: bool = True) -> int:
+        """After a failure: keep the workers that still answer, kill the rest; returns how many stay.
+
+        Each worker first lets its failed step return (on GPU, `abort` breaks NCCL calls
+        stuck on the lost peer), then leaves its process groups and drops its stage
+        (`reset`). A worker that has not done so within `timeout` seconds is killed, like a
+        dead one. The kept workers wait for `reconfigure`.
+        """
+        # The grid's workers, and any kept before that a failed start did not place yet.
+        candidates = [(rank, w, slot) for rank, (w, slot) in enumerate(zip(self.workers, self.slots))]
+        candidates += [(rank, w, slot) for rank, w, slot, _ in self.survivors]
+        if self.resources.device == "cuda":
+            for _, w, _ in candidates:
+                w.abort.remote()
+        refs = [w.reset.remote() for _, w, _ in candidates]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        ready = set(ready)
+        survivors, idle = [], list(self._idle)
+        for (rank, w, slot), ref in zip(candidates, refs):
+            node = None
+            if ref in ready:
+                try:
+                    node = ray.get(ref)
+                except Exception:  # noqa: BLE001 - dead or broken: replaced below
+                    node = None
+            if node is not None:
+                survivors.append((rank, w, slot, node))
+            else:
+                _kill(w)
+                idle.append((slot, None))
+        alive = {node for *_, node in survivors}
+        # A slot's bundle stays reserved after its worker died. Reuse it only where a survivor
+        # just proved the node alive: a lost node's bundles wait for Ray to place them again.
+        nodes = [self._bundle_node(slot) for slot, _ in idle]
+        self.survivors = survivors
+        self._idle = [(slot, node if node in alive else None) for (slot, _), node in zip(idle, nodes)]
+        self.workers, self.slots, self.info = [], [], []
+        self.program_version, self.programs, self._labels = 0, [], []
+        self._exports = []
+        if keep_writers:
+            self._drop_dead_writers(alive)
+        else:
+            self.reset_writers()
+        return len(survivors)
+
+    def reusable_slots(self) -> int:
+        """Workers the next grid can have without new resources: survivors and free bundles on live nodes."""
+        return len(self.survivors) + sum(1 for _, node in self._idle if node is not None)
+
+    def reconfigure(self, cfg: Config, grid: Grid) -> dict:
+        """Put `grid` on the kept workers plus new ones: new ranks, process groups and stages.
+
+        Survivors keep their rank where the new grid has it and fill the gaps otherwise;
+        replacements go to free bundles on live nodes first, then to a new placement group.
+        Returns how many workers were kept and how many started.
+        """
+        self.cfg, self.grid = cfg, grid
+        n = grid.size
+        survivors = sorted(self.survivors, key=lambda s: s[0])
+        self.survivors = []
+        for _, w, slot, node in survivors[n:]:  # the grid shrank below what survived
+            _kill(w)
+            self._idle.append((slot, node))
+        survivors = survivors[:n]
+        workers: list = [None] * n
+        slots: list = [None] * n
+        moved = []
+        for old, w, slot, _ in survivors:
+            if old < n and workers[old] is None:
+                workers[old], slots[old] = w, slot
+            else:
+                moved.append((w, slot))
+        free = [r for r in range(n) if workers[r] is None]
+        for (w, slot), r in zip(moved, free):
+            workers[r], slots[r] = w, slot
+        missing = [r for r in range(n) if workers[r] is None]
+        trusted = [i for i, (_, node) in enumerate(self._idle) if node is not None][:len(missing)]
+        usable = [self._idle[i][0] for i in trusted]
+        self._idle = [x for i, x in enumerate(self._idle) if i not in trusted]
+        try:
+            if len(missing) > len(usable):
+                pg = self._reserve(len(missing) - len(usable))
+                usable += [(pg, i) for i in range(len(missing) - len(usable))]
+            for r, slot in zip(missing, usable):
+                slots[r] = slot
+                workers[r] = self._start_worker(slot, r)
+        finally:
+            # Whatever happens, the group holds what it started: salvage or shutdown find it.
+            held = [r for r in range(n) if workers[r] is not None]
+            self.workers, self.slots = [workers[r] for r in held], [slots[r] for r in held]
+            self._idle += [(slot, None) for slot in usable if slot not in self.slots]
+        self._setup(fresh=False)
+        return {"kept": len(survivors), "started": len(missing)}
+
+    def held_free_slots(self) -> int:
+        """Bundles this group holds without a worker, placed on nodes Ray reports alive."""
+        if not self._idle:
+            return 0
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return sum(1 for slot, _ in self._idle if self._bundle_node(slot) in alive)
+
+    @staticmethod
+    def _bundle_node(slot: tuple) -> str | None:
+        pg, bundle = slot
+        try:
+            return ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(bundle)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _drop_dead_writers(self, alive_nodes: set) -> None:
+        """Keep the checkpoint writers of nodes that still hold workers; drop the others."""
+        for node in [n for n in self._writers if n not in alive_nodes]:
+            _kill(self._writers.pop(node))
+
+    def set_programs(self, programs: list[list[Action]]) -> int:
+        """Send every worker its stage's program (programs[stage]); returns the new version.
+
+        Called when the plan changes (start, recovery, another schedule), not every step:
+        a step then names the version and carries only what changes (step, sample ids).
+        """
+        self.program_version += 1
+        self.programs = [list(p) for p in programs]
+        self._labels = [unit_labels(p) for p in self.programs]
+        refs = [w.set_program.remote(self.program_version, self.programs[self.grid.coord(r).pp])
                 for r, w in enumerate(self.workers)]
-        return self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
+        self._get(refs, self.cfg.runtime.step_timeout_s, "set_programs")
+        return self.program_version
+
+    def run_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
+                 snapshot: dict | None = None) -> list[StepReport]:
+        """sample_ids[rank] for the programs of the last `set_programs`; one Ray call per worker."""
+        version = self.program_version
+        refs = [w.run_step.remote(step, version, sample_ids[r], capture_grads, snapshot)
+                for r, w in enumerate(self.workers)]
+        reports = self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
+        return [label_events(r, self._labels[r.stage]) for r in reports]
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -155,26 +328,61 @@ class WorkerGroup:
         return merged
 
     def _get(self, refs: list, timeout: float, what: str) -> list:
+        """Every result, in order. One wait for all in the usual case; a worker's error still
+        surfaces within `_ERROR_POLL_S`, not after its peers time out waiting for it."""
         deadline = time.monotonic() + timeout
+        results: dict = {}
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(_ERROR_POLL_S, left)))
+            if done:
+                try:
+                    results.update(zip(done, ray.get(done)))
+                except Exception as e:  # noqa: BLE001 - a worker's error surfaces now
+                    raise _root_cause(e, done + pending) from None
+            elif left <= 0:
                 late = [refs.index(r) for r in pending]
                 raise StepTimeout(f"{what}: stage workers of ranks {late} did not answer within {timeout:g}s")
-            ray.get(done[0])  # a worker's error surfaces now, not after its peers time out
-        return ray.get(refs)
+        return [results[r] for r in refs]
 
     def shutdown(self) -> None:
-        for w in [*self.workers, *self._writers.values()]:
-            try:
-                ray.kill(w)
-            except Exception:
-                pass
-        remove_placement_group(self.pg)
+        for w in [*self.workers, *(s[1] for s in self.survivors), *self._writers.values()]:
+            _kill(w)
+        self.workers, self.survivors, self._writers = [], [], {}
+        for pg in self._pgs:
+            remove_placement_group(pg)
         # Removal is asynchronous; a re-plan right after must see the resources as free.
         deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            if ray.util.placement_group_table(self.pg).get("state") == "REMOVED":
-                break
-            time.sleep(0.05)
+        for pg in self._pgs:
+            while time.monotonic() < deadline:
+                if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                    break
+                time.sleep(0.05)
+        self._pgs = []
+
+
+def _root_cause(error: Exception, refs: list) -> Exception:
+    """A lost worker rather than the peers whose collectives failed because of it.
+
+    Peers of a dead worker often report first (their connection to it broke); give the
+    others a moment, and prefer an actor death among them.
+    """
+    if isinstance(error, ray.exceptions.RayActorError):
+        return error
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=_ERROR_POLL_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return e
+        except Exception:  # noqa: BLE001 - another peer's error: keep looking
+            pass
+    return error
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

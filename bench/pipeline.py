@@ -90,9 +90,10 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--only", default=None, help="run only rows whose label contains this text")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every row, e.g. runtime.step_timeout_s=90")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    base = list(TINY) if args.cpu else []
+    base = (list(TINY) if args.cpu else []) + list(args.overrides)
     if args.steps:
         base.append(f"train.steps={args.steps}")
     cfg = load_config(args.config, base)
@@ -106,7 +107,8 @@ def main() -> None:
         if args.only and args.only not in label:
             continue
         rows.append(run_row(args.config, base, label, overrides, args.out))
-    (args.out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+        # After every row: a call cut short keeps the rows that finished.
+        (args.out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
     md = table(rows)
     (args.out / "results.md").write_text(md + "\n")
     print("\n" + md, flush=True)

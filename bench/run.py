@@ -4,8 +4,10 @@
     python -m bench.run --suite quick --out DIR             # a subset, within ~3 minutes
     python -m bench.run --suite moe,elastic --out DIR       # named suites
     python -m bench.run --suite all --cpu --steps 2 --out DIR   # tiny models on CPU (the tests)
+    python -m bench.run --suite scale --out DIR             # 4 or 8 GPUs (bench/scale.py), within ~8.5 minutes
 
-Suites: pipeline (bench/pipeline.py's rows), moe, checkpoint, elastic, baselines. Writes
+Suites: kernels, pipeline (bench/pipeline.py's rows), moe, checkpoint, elastic, baselines; and scale
+(bench/scale.py, for 4-8 GPUs: not part of all or quick, which are for 2 GPUs). Writes
 DIR/results.json (environment, every suite's rows, each row's config) and DIR/results.md
 (one table per suite, printed last). Both files are rewritten after every suite, so a call
 cut short still keeps the suites that finished. A suite that fails records its error and
@@ -35,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from bench import baselines, checkpoint, elastic, moe
+from bench import baselines, checkpoint, elastic, moe, scale
+from bench import kernels as kernels_bench
 from bench import pipeline as pipeline_bench
 from raypar.callbacks import Callback
 from raypar.config import Config, load_config
@@ -49,16 +52,17 @@ GPU_CONFIG = str(ROOT / "configs" / "gpt-1b.yaml")
 DEFAULT_STEPS = {"gpu": 6, "cpu": 4}
 # Order of `all`: the suites with no GPU numbers yet first; pipeline last, because its 1F1B
 # rows are already in BENCHMARKS.md and its fthenb rows on the 1B model once hung.
-ORDER = ["moe", "baselines", "checkpoint", "elastic", "pipeline"]
-QUICK = ["moe", "baselines", "checkpoint", "pipeline"]
+ORDER = ["kernels", "moe", "baselines", "checkpoint", "elastic", "pipeline"]
+QUICK = ["kernels", "moe", "baselines", "checkpoint", "pipeline"]
 # Share of the budget held back for each suite still to come: a suite may use whatever the
 # earlier ones left, less these, so one slow or hung suite cannot starve the rest. The
 # pipeline suite, last and already measured in part, gets only what is left.
-RESERVE = {"moe": 0.12, "baselines": 0.15, "checkpoint": 0.15, "elastic": 0.18, "pipeline": 0.0}
+RESERVE = {"kernels": 0.03, "moe": 0.12, "baselines": 0.15, "checkpoint": 0.15, "elastic": 0.18, "pipeline": 0.0, "scale": 0.0}
 # Seconds for the suites, inside one device call of ~9 (all) or ~3 (quick) minutes: the rest
 # is Ray's start, the environment, and a run that overruns its suite's deadline (a started
 # Trainer finishes its launch and at least 2 steps).
-BUDGET_S = {"quick": 150.0, "other": 450.0}
+# scale (4-8 GPUs) alone: ~8.5 minutes in all; its rows hold back time for its last, longest run.
+BUDGET_S = {"quick": 150.0, "other": 450.0, "scale": 420.0}
 # Seconds a Trainer launch needs on GPU (workers, NCCL, model init) before a row is started.
 LAUNCH_S = 30.0
 
@@ -221,7 +225,10 @@ class PipelineSuite:
 
 
 SUITES: dict[str, Any] = {"pipeline": PipelineSuite, "moe": moe, "checkpoint": checkpoint, "elastic": elastic,
-                          "baselines": baselines}
+                          "baselines": baselines, "scale": scale,
+                          "kernels": kernels_bench}
+# Suites that run only when named: they need more GPUs than `all` is for.
+EXTRA = ["scale"]
 
 
 # -- environment, results ------------------------------------------------------------------
@@ -298,7 +305,7 @@ def suite_names(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
-        raise SystemExit(f"unknown suite {unknown[0]!r}; choose all, quick or some of {', '.join(ORDER)}")
+        raise SystemExit(f"unknown suite {unknown[0]!r}; choose all, quick or some of {', '.join(ORDER + EXTRA)}")
     return names
 
 
@@ -321,12 +328,12 @@ def start_ray(cpu: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="all", help="all, quick, or a comma-separated list of " + ", ".join(ORDER))
+    ap.add_argument("--suite", default="all", help="all, quick, or a comma-separated list of " + ", ".join(ORDER + EXTRA))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cpu", action="store_true", help="tiny models on CPU")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6 GPU, 4 CPU)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds for all suites (GPU default: 150 for quick, else 450; none on CPU)")
+                    help="seconds for all suites (GPU default: 150 for quick, 420 for scale, else 450; none on CPU)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
     args = ap.parse_args()

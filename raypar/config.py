@@ -31,6 +31,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init (output projections get / sqrt(2 * n_layers))
+    # Dropout on the two residual branches of each block (after attention and after the
+    # MLP), fused with the residual add. Masks come from per-sample seeds, so every grid
+    # drops the same elements.
+    dropout: float = 0.0
     # Parameter dtype. bfloat16 keeps fp32 master weights and fp32 gradient accumulation.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Mixture of experts: 0 experts is a dense model. Layer i is MoE when
@@ -116,6 +120,9 @@ class RuntimeConfig:
     metrics_host: str = "127.0.0.1"  # standalone endpoint address (loopback by default)
     metrics_port: int = 9464  # standalone endpoint port; 0 picks a free one
     run_name: str = "default"  # metric label that tells runs apart
+    # CUDA kernels (kernels/, CuPy) on GPU workers; false runs the torch reference of every
+    # kernel, for debugging. CPU runs always use the references.
+    kernels: bool = True
 
 
 @dataclass
@@ -141,6 +148,12 @@ class ElasticConfig:
     max_restarts: int = 3  # recoveries before the run gives up
     resource_timeout_s: float = 60.0  # how long planning waits for enough resources
     grow: bool = True  # move back toward the configured grid at a checkpoint when resources return
+    # After a failure keep the stage workers that still answer (new process groups among them
+    # and replacements) instead of starting every worker again.
+    keep_survivors: bool = True
+    # How long a surviving worker may take to leave its step and process groups after a
+    # failure; one that does not answer in time is killed and replaced.
+    survivor_timeout_s: float = 15.0
 
 
 @dataclass
@@ -304,9 +317,10 @@ def validate(cfg: Config) -> None:
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
     e = cfg.elastic
-    if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0:
+    if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0 or e.survivor_timeout_s <= 0:
         raise ConfigError(f"elastic.min_workers={e.min_workers} must be >= 1, elastic.max_restarts={e.max_restarts} "
-                          f">= 0, elastic.resource_timeout_s={e.resource_timeout_s} >= 0")
+                          f">= 0, elastic.resource_timeout_s={e.resource_timeout_s} >= 0, "
+                          f"elastic.survivor_timeout_s={e.survivor_timeout_s} > 0")
     if t.seed < 0:
         raise ConfigError(f"train.seed={t.seed} must be >= 0")
     for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,
@@ -328,6 +342,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.n_experts < 0 or m.moe_every < 1 or m.moe_capacity_factor < 0 or m.moe_aux_loss_coef < 0 or m.moe_z_loss_coef < 0:
         raise ConfigError("model.n_experts, moe_aux_loss_coef, moe_z_loss_coef and moe_capacity_factor must be >= 0, moe_every >= 1")
     if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:

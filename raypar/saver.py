@@ -113,14 +113,19 @@ class Saver:
         self.log(f"checkpoint: step {step} committed, {result.bytes / 2**20:.1f} MiB at "
                  f"{result.write_bytes_per_s / 2**20:.0f} MiB/s -> {result.path}")
 
-    def abandon(self) -> None:
-        """Forget the save in flight (its workers are gone); its partial files are cleaned later."""
-        if self._pending is not None:
-            step = self._pending[0]
-            self._pending = None
-            self.results.append(SaveResult(step, None, 0, 0.0, 0.0, error="abandoned: workers lost during the save"))
-            self.on_result(self.results[-1])
+    def abandon(self) -> bool:
+        """Forget the save in flight (its workers are gone); its partial files are cleaned later.
+
+        Returns whether a save was in flight: its writers are then replaced at the next save.
+        """
+        if self._pending is None:
+            return False
+        step = self._pending[0]
+        self._pending = None
+        self.results.append(SaveResult(step, None, 0, 0.0, 0.0, error="abandoned: workers lost during the save"))
+        self.on_result(self.results[-1])
         self._writers_failed = True
+        return True
 
     def finish(self) -> None:
         """Wait for the save in flight, up to checkpoint.timeout_s."""

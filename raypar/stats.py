@@ -4,7 +4,7 @@ from __future__ import annotations
 from statistics import fmean
 
 from raypar.runtime.stage import StepReport
-from raypar.schedule import Action, simulate
+from raypar.schedule import Action, Prepared, simulate
 from raypar.topology import Grid
 
 
@@ -40,8 +40,11 @@ def measured_bubble(reports: list[StepReport], grid: Grid) -> float:
     return fmean(fractions) if fractions else 0.0
 
 
-def simulated_bubble(programs: list[list[Action]], line: list[StepReport]) -> float:
-    """Bubble the simulator predicts for these programs with this pipeline's measured F/B times."""
+def simulated_bubble(programs: list[list[Action]] | Prepared, line: list[StepReport]) -> float:
+    """Bubble the simulator predicts for these programs with this pipeline's measured F/B times.
+
+    Pass `raypar.schedule.prepare(programs)` to check the programs once rather than every step.
+    """
     t_f = [max(mean_durations([r], "F"), 1e-9) for r in line]
     t_b = [max(mean_durations([r], "B"), 1e-9) for r in line]
     return simulate(programs, t_f=t_f, t_b=t_b).bubble_fraction

@@ -16,7 +16,7 @@ from typing import Callable
 
 from raypar.config import Config, ConfigError
 from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
-from raypar.schedule import build_programs
+from raypar.schedule import build_programs, prepare
 import ray
 import torch
 
@@ -34,6 +34,10 @@ from raypar.topology import Grid
 # A lost worker or node, or a collective that hung: what the controller recovers from.
 WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
                    StepTimeout)
+
+
+# status.json is rewritten at most this often while steps run (and when the run ends).
+STATUS_EVERY_S = 1.0
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Trainer:
         # Plain functions count as step-end hooks.
         self.callbacks = as_callbacks(callbacks)
         self.progress = Progress(cfg.train.steps, cfg.runtime.log_every)
+        self._kernels_said = False
         self.log = log or self.progress.message
         self.run_dir = Path(cfg.runtime.run_dir).resolve()
         if cfg.model.init_from:
@@ -168,8 +173,9 @@ class Trainer:
         self._max_step_done = 0
         self._stop = False
         self._stop_save = False
-        self.programs = build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
-                                       release=cfg.runtime.release)
+        self._status_written = 0.0  # monotonic time of the last status.json
+        self._set_programs(build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
+                                          release=cfg.runtime.release))
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -218,7 +224,24 @@ class Trainer:
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
-        self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
+        if self.group is not None:
+            # Workers kept after a failure (`_recover`): the new grid on them plus replacements.
+            counts = self.group.reconfigure(self.cfg, self.grid)
+            if self._recovery is not None:
+                self._recovery["workers_kept"] = counts["kept"]
+                self._recovery["workers_started"] = self._recovery.get("workers_started", 0) + counts["started"]
+            self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}")
+        else:
+            self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
+        self._say_kernels(self.group.info)
+        self.group.set_programs(self.programs)
+
+    def _say_kernels(self, info: list[dict]) -> None:
+        """Which CUDA kernels the workers run, once per run (CPU workers use the references)."""
+        status = next((i.get("kernels") for i in info if i.get("kernels")), None)
+        if status and not self._kernels_said:
+            self._kernels_said = True
+            self.log("raypar: kernels " + ", ".join(f"{k}: {v}" for k, v in status.items()))
 
     def _plan_elastic(self) -> Plan:
         """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
@@ -228,7 +251,8 @@ class Trainer:
 
         deadline = time.monotonic() + self.cfg.elastic.resource_timeout_s
         while True:
-            slots = self._worker_slots(ray.available_resources())
+            # Workers kept after a failure (and their free bundles) count beside free resources.
+            slots = self._worker_slots(ray.available_resources()) + (self.group.reusable_slots() if self.group else 0)
             plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
             if plan is not None:
                 return plan
@@ -248,8 +272,12 @@ class Trainer:
         self.grid = plan.grid
         self.saver.grid = plan.grid
         self.saver.cfg = self.cfg
-        self.programs = build_programs(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.microbatches,
-                                       release=self.cfg.runtime.release)
+        self._set_programs(build_programs(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.microbatches,
+                                          release=self.cfg.runtime.release))
+
+    def _set_programs(self, programs) -> None:
+        self.programs = programs
+        self._sim_programs = prepare(programs)  # checked once; each step only times them
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -353,7 +381,8 @@ class Trainer:
             metrics.write(json.dumps(asdict(record)) + "\n")
             metrics.flush()
             self.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
-            self._write_status(step + 1, record.loss)
+            if time.monotonic() - self._status_written >= STATUS_EVERY_S or step + 1 == self.cfg.train.steps:
+                self._write_status(step + 1, record.loss)
             for callback in self.callbacks:
                 callback.on_step_end(self, record)
             if len(self.saver.results) > committed:
@@ -385,8 +414,15 @@ class Trainer:
         self.controller.to(State.RECOVERING, repr(error)[:200])
         self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
                  f"recovering from the last committed checkpoint")
-        self.saver.abandon()
-        self.shutdown()
+        save_lost = self.saver.abandon()
+        kept = 0
+        if elastic.keep_survivors and self.group is not None:
+            try:
+                kept = self.group.salvage(elastic.survivor_timeout_s, keep_writers=not save_lost)
+            except Exception as e:  # noqa: BLE001 - fall back to starting every worker again
+                self.log(f"raypar: could not keep the surviving workers ({type(e).__name__}: {e}); restarting all")
+        if not kept:
+            self.shutdown()
         self.restarts += 1
         if self._recovery is not None:
             # Failed again before the first good step: one recovery, timed from the first failure.
@@ -452,7 +488,8 @@ class Trainer:
 
         if not (self.cfg.elastic.enabled and self.cfg.elastic.grow) or self.grid == self.configured_grid:
             return False
-        slots = self._worker_slots(ray.available_resources()) + self.grid.size
+        # Bundles the group still holds (e.g. placed again on a returned node) count as free.
+        slots = self._worker_slots(ray.available_resources()) + self.grid.size + self.group.held_free_slots()
         plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
         if plan is not None and plan.grid.size > self.grid.size:
             self._grow_to = plan
@@ -501,11 +538,10 @@ class Trainer:
         cfg, grid = self.cfg, self.grid
         t0 = time.perf_counter()
         batch = order.indices(consumed, cfg.train.global_batch_size)
-        programs, ids = [], []
-        for c in grid.coords():
-            programs.append(self.programs[c.pp])
-            ids.append(split_batch(batch, grid.data_parallel_size, grid.data_rank(c)))
-        reports = self.group.run_step(step, programs, ids, snapshot=snapshot)
+        ids = [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
+        # The workers hold the programs (set_programs at start and after a re-plan): a step
+        # sends only its number, the program version and the sample ids.
+        reports = self.group.run_step(step, ids, snapshot=snapshot)
         step_time = time.perf_counter() - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.
@@ -524,7 +560,7 @@ class Trainer:
             step_time_s=step_time,
             tokens_per_s=tokens / step_time,
             bubble_measured=measured_bubble(reports, grid),
-            bubble_simulated=simulated_bubble(self.programs, pipelines(reports, grid)[0]),
+            bubble_simulated=simulated_bubble(self._sim_programs, pipelines(reports, grid)[0]),
             control_overhead=max(0.0, step_time - worker_time) / step_time,
             consumed_samples=consumed + cfg.train.global_batch_size,
             peak_activation_bytes=by_stage("peak_activation_bytes"),
@@ -547,6 +583,7 @@ class Trainer:
         self.log(f"raypar: timeline of step {step} -> {png}")
 
     def _write_status(self, step: int, loss: float | None = None) -> None:
+        self._status_written = time.monotonic()
         ok = [r for r in self.saver.results if r.error is None]
         write_status(self.run_dir, run_dir=str(self.run_dir), state=self.controller.state.value, grid=str(self.grid),
                      schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,

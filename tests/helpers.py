@@ -52,16 +52,16 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
     cfg, grid = group.cfg, group.grid
     batch = order.indices(step * cfg.train.global_batch_size, cfg.train.global_batch_size)
     programs = build_programs(schedule, grid.pp, microbatches, release=release)
-    coords = grid.coords()
-    reports = group.run_step(step, [programs[c.pp] for c in coords],
-                             [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in coords],
+    if group.programs != programs:  # programs go to the workers only when they change
+        group.set_programs(programs)
+    reports = group.run_step(step, [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()],
                              capture_grads=True)
     grads: dict[str, torch.Tensor] = {}
     for r in reports:
         for name, g in r.grads.items():
             grads.setdefault(name, g)
     tokens, labels = dataset.get(batch)
-    ref_loss, ref_grads = ref.step(step, tokens.to(device), labels.to(device))
+    ref_loss, ref_grads = ref.step(step, tokens.to(device), labels.to(device), sample_ids=batch)
     return step_loss(reports), grads, ref_loss, ref_grads, reports
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ["moe", "baselines", "checkpoint", "elastic", "pipeline"]
+SUITES = ["kernels", "moe", "baselines", "checkpoint", "elastic", "pipeline"]
 # Rows that cannot run without GPUs and say so; on CPU every other row must have run.
 CPU_UNAVAILABLE = {"NCCL p2p send/recv, 256 MiB"}
 
@@ -35,6 +35,11 @@ def test_every_suite_runs_on_cpu(tmp_path):
             if "unavailable" in row:
                 assert row["label"] in CPU_UNAVAILABLE and "not available on CPU" in row["unavailable"], row
             assert "stopped_early" not in row, row
+
+    kernel_rows = results["suites"]["kernels"]["rows"]
+    assert kernel_rows[0]["d2d_gbps"] > 0 and kernel_rows[0]["d2h_pinned_gbps"] > 0
+    # On CPU the ops run their torch references: those are timed, no kernel is.
+    assert len(kernel_rows) == 9 and all(r["eager_ms"] > 0 and "kernel_ms" not in r for r in kernel_rows[1:])
 
     moe = _rows(results, "moe")
     ep, pp = moe["ep=2, grid (1,1,2)"], moe["pp=2, grid (1,2,1)"]
@@ -73,3 +78,4 @@ def test_every_suite_runs_on_cpu(tmp_path):
     for name in SUITES:
         assert f"## {name}:" in tail and f"## {name}:" in (tmp_path / "results.md").read_text()
     assert "| ep=2, grid (1,1,2) (4 mb) |" in tail and "| raypar 1f1b (8 mb) |" in tail
+

@@ -87,10 +87,15 @@ def test_stage_worker_killed_mid_save_keeps_the_last_committed(ray_session, tmp_
     with pytest.raises(ray.exceptions.RayError):
         trainer.fit()
     root = tmp_path / "run" / "ckpt"
-    assert [s for s, _ in list_committed(root)] == [2]
+    # The worker's snapshot of step 4 is an object it owns: the save commits only if its
+    # writer fetched it before the kill, which is a race. Either way the save is whole or
+    # absent, never listed half-written, and what is listed loads.
+    committed = [s for s, _ in list_committed(root)]
+    assert committed in ([2], [2, 4]), committed
     cleanup_uncommitted(root)
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000002"]
-    assert weights(latest(root))
+    assert sorted(p.name for p in root.iterdir()) == [f"step-{s:09d}" for s in committed]
+    for _, path in list_committed(root):
+        assert weights(path)
 
 
 def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data):

@@ -97,6 +97,32 @@ def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_pat
     assert "RECOVERING" in summary.controller_states and summary.controller_states[-1] == "FINISHED"
 
 
+class KillAndWatchActors(KillWorker):
+    """KillWorker that records the workers' actor ids before the kill and once recovered."""
+
+    def on_step_end(self, trainer, record):
+        if record.step == self.at and self.killed_at is None:
+            self.before = [w._actor_id.hex() for w in trainer.group.workers]
+        super().on_step_end(trainer, record)
+
+    def on_recovery(self, trainer, event):
+        self.after = [w._actor_id.hex() for w in trainer.group.workers]
+
+
+def test_recovery_keeps_the_surviving_workers(ray_session, tmp_path, data, uninterrupted):
+    """One worker lost: the other three actors carry on (same actor ids and ranks), one is new."""
+    reference = uninterrupted((2, 2, 1), None)
+    watch = KillAndWatchActors(3, 1)
+    summary = Trainer(elastic_config(tmp_path, "kept", (2, 2, 1)), callbacks=[watch]).fit()
+    event = summary.recoveries[0]
+    print(f"\nrecovery keeping survivors: detected in {event['detection_s']:.2f}s, recovered in "
+          f"{event['recovery_s']:.2f}s, {event['workers_kept']} workers kept, {event['workers_started']} started")
+    assert event["workers_kept"] == 3 and event["workers_started"] == 1
+    assert [a == b for a, b in zip(watch.before, watch.after)] == [True, False, True, True]
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+
+
 class KillAgainAfterRecovery(KillWorker):
     """Kills a worker, then kills a new one as soon as the recovered grid has started."""
 

@@ -16,9 +16,17 @@ GRIDS = {
     "pp4": dict(model={"n_layers": 4}, parallel={"pp": 4}),
     "pp2-uneven-3-1": dict(model={"n_layers": 4}, parallel={"pp": 2, "layers_per_stage": [3, 1]}),
     "pp3-uneven-1-3-1": dict(model={"n_layers": 5}, parallel={"pp": 3, "layers_per_stage": [1, 3, 1]}),
+    # Dropout masks follow the sample (per-sample seeds), so replicas, micro-batches and
+    # recompute all draw the reference's masks.
+    "pp2-dp2-dropout-recompute": dict(model={"n_layers": 4, "dropout": 0.2}, parallel={"pp": 2, "dp": 2},
+                                      train={"global_batch_size": 16},
+                                      runtime={"recompute": "block"}),
 }
 
 RTOL, ATOL = 1e-5, 1e-6
+# Data parallelism averages two replicas' gradients, a different summation order than the
+# reference's one batch: agreement to fp32 rounding of the larger dropout-scaled terms.
+ATOL_BY_GRID = {"pp2-dp2-dropout-recompute": 1e-5}
 
 
 @pytest.mark.parametrize("grid", list(GRIDS))
@@ -33,7 +41,7 @@ def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
             loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m)
             where = f"step {step} ({schedule}, {m} micro-batches)"
             assert loss == pytest.approx(ref_loss, rel=RTOL), where
-            assert_same(grads, ref_grads, RTOL, ATOL, where)
-        assert_same(group.parameters(), ref.parameters(), RTOL, ATOL, "weights")
+            assert_same(grads, ref_grads, RTOL, ATOL_BY_GRID.get(grid, ATOL), where)
+        assert_same(group.parameters(), ref.parameters(), RTOL, ATOL_BY_GRID.get(grid, ATOL), "weights")
     finally:
         group.shutdown()

@@ -17,11 +17,12 @@ from torch.utils.checkpoint import checkpoint
 
 from raypar.config import Config
 from raypar.data import TokenDataset
+from raypar.kernels import sample_seeds
 from raypar.model import build_stage
 from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
-from raypar.runtime.comm import all_reduce_, exchange
+from raypar.runtime.comm import all_reduce_, connect_neighbours, exchange
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.snapshot import StateSnapshot
@@ -38,7 +39,9 @@ class StepReport:
     stage: int
     step: int
     losses: list[float]  # per micro-batch, last stage only
-    events: list[tuple[str, float, float]]  # (action, start, end) in wall-clock seconds
+    # Start and end (wall-clock seconds) of each unit of the program (`comm_groups`), in order,
+    # flat: [start0, end0, start1, end1, ...]. The driver knows the program and labels them.
+    times: list[float]
     compute_s: float  # time in F and B
     start: float  # program start (wall clock)
     end_of_backward: float  # end of the last B (wall clock)
@@ -55,6 +58,20 @@ class StepReport:
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    # (label, start, end) per unit: filled in on the driver from `times` (see `label_events`)
+    events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
+
+
+def unit_labels(program: list[Action]) -> list[str]:
+    """The label of each unit of `program`: its actions, joined by spaces (as in events.jsonl)."""
+    return [" ".join(str(a) for a in unit) for unit in comm_groups(program)]
+
+
+def label_events(report: StepReport, labels: list[str]) -> StepReport:
+    """Give `report` its (label, start, end) events from its times and its program's labels."""
+    t = report.times
+    report.events = list(zip(labels, t[0::2], t[1::2]))
+    return report
 
 
 def _releasable(t: torch.Tensor) -> bool:
@@ -98,24 +115,38 @@ class StageRuntime:
         self.clock = StepClock(device)
         self.snapshot = StateSnapshot()
         self._mb = -1
+        self.set_program([])
+        self._seeds: tuple[torch.Tensor, ...] | None = None
+        connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
 
     # -- one step --------------------------------------------------------------------
 
-    def run_step(self, step: int, program: list[Action], sample_ids: list[int],
-                 capture_grads: bool = False) -> StepReport:
+    def set_program(self, program: list[Action]) -> None:
+        """The program every step runs until the next call (sent once per plan, not per step)."""
+        self.program = list(program)
+        self._units = comm_groups(self.program)
+        self._compute_units = [unit[0].op in COMPUTE_OPS for unit in self._units]
+        self._n_mb = sum(1 for a in self.program if a.op == Op.F)
+
+    def run_step(self, step: int, sample_ids: list[int], capture_grads: bool = False) -> StepReport:
         t_start = time.time()
-        n_mb = sum(1 for a in program if a.op == Op.F)
+        n_mb = self._n_mb
+        if n_mb == 0:
+            raise ValueError(f"stage {self.stage}: no program to run (set_program was not called)")
         if len(sample_ids) % n_mb:
             raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
         # Shapes follow the step's program, so one worker group can run any schedule and count.
         self.act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
         tokens, labels = self._load(sample_ids, n_mb)
+        # Per-sample dropout seeds: the masks follow the sample, not the micro-batch or grid.
+        self._seeds = (sample_seeds(self.cfg.train.seed, step, sample_ids, self.device).chunk(n_mb)
+                       if self.cfg.model.dropout > 0 else None)
         release = self.cfg.runtime.release
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grad_out: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        marks: list[tuple[str, object, object, bool]] = []  # (actions, start, end, compute?)
+        marks: list[tuple[object, object]] = []  # (start, end) per unit
         released = 0
         grad_norm, lr, grads = 0.0, 0.0, None
         last_backward = None
@@ -131,7 +162,7 @@ class StageRuntime:
             # The step loss is the mean of the micro-batch losses: aux losses scale alike.
             moe.aux_scale = 1.0 / n_mb
         self.clock.start()
-        for unit in comm_groups(program):
+        for unit in self._units:
             head = unit[0]
             begin = self.clock.mark()
             if head.is_comm:
@@ -160,15 +191,15 @@ class StageRuntime:
             else:
                 raise ValueError(f"stage {self.stage}: cannot execute {head}")
             end = self.clock.mark()
-            marks.append((" ".join(str(a) for a in unit), begin, end, head.op in COMPUTE_OPS))
+            marks.append((begin, end))
             if head.op == Op.B:
                 last_backward = end
             self.tracker.sample()
             peak_live = max(peak_live, self.tracker.live_microbatches())
 
         self.clock.finish()
-        events = [(label, self.clock.seconds(b), self.clock.seconds(e)) for label, b, e, _ in marks]
-        compute = sum(e - b for (_, b, e), (*_, is_compute) in zip(events, marks) if is_compute)
+        times = [t for b, e in marks for t in (self.clock.seconds(b), self.clock.seconds(e))]
+        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units) if is_compute)
         loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
         peak_act = self.tracker.peak_bytes
         expert_tokens = {layer: m.stats.routed.cpu().tolist() for layer, m in self.moe_layers.items()
@@ -179,9 +210,9 @@ class StageRuntime:
         self.tracker.clear()
         inputs.clear(), outputs.clear(), grad_out.clear()
         return StepReport(
-            rank=self.rank, stage=self.stage, step=step, losses=loss_values, events=events,
+            rank=self.rank, stage=self.stage, step=step, losses=loss_values, times=times,
             compute_s=compute,
-            start=events[0][1] if events else t_start,
+            start=times[0] if times else t_start,
             end_of_backward=self.clock.seconds(last_backward) if last_backward is not None else t_start,
             wall_s=time.time() - t_start,
             peak_activation_bytes=peak_act,
@@ -209,12 +240,13 @@ class StageRuntime:
         else:
             x = inputs[mb]
         target = labels[mb] if self.is_last else None
+        seeds = self._seeds[mb] if self._seeds is not None else None
         with self.tracker.recording(mb):
             if self.recompute == "stage":
                 self.tracker.hold(mb, x)
-                out = checkpoint(self.model, x, target, use_reentrant=False)
+                out = checkpoint(self.model, x, target, seeds, use_reentrant=False)
             else:
-                out = self.model(x, target)
+                out = self.model(x, target, seeds)
         if self.is_last:
             losses.append(out.detach())
             # The step's loss is the mean over micro-batches: scale each one's gradient.

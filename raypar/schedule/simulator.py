@@ -39,7 +39,7 @@ def validate(programs: Programs) -> SimResult:
 
 
 def simulate(
-    programs: Programs,
+    programs: "Programs | Prepared",
     t_f: float | Sequence[float] = 1.0,
     t_b: float | Sequence[float] = 2.0,
     t_comm: float = 0.0,
@@ -48,20 +48,50 @@ def simulate(
 
     t_f / t_b are forward / backward durations, one for all stages or one per stage; a comm unit
     takes t_comm after the last of its own and its partners' posts. Releases, REDUCE_GRAD and
-    STEP take no time.
+    STEP take no time. `programs` may be the result of `prepare`, which skips the checks: a
+    driver that times the same programs every step checks them once.
     """
-    programs = [list(p) for p in programs]
-    n = len(programs)
-    if n == 0:
+    if not isinstance(programs, Prepared) and len(programs) == 0:
         raise ScheduleError("no programs: need one per stage")
+    n = len(programs.programs) if isinstance(programs, Prepared) else len(programs)
     t_fwd = _per_stage(t_f, n, "t_f")
     t_bwd = _per_stage(t_b, n, "t_b")
     if t_comm < 0:
         raise ScheduleError(f"t_comm must be >= 0, got {t_comm}")
+    prepared = programs if isinstance(programs, Prepared) else prepare(programs)
+    return _run(prepared, t_fwd, t_bwd, t_comm)
+
+
+@dataclass
+class Prepared:
+    """Programs that passed the static checks, with what a timed run needs (see `prepare`)."""
+
+    programs: list[list[Action]]
+    peak_live: list[int]
+    units: list[list[tuple[Action, ...]]]
+    # For every comm unit, each op and the (stage, unit) holding its partner: the unit waits for all.
+    waits_for: dict[_Loc, list[tuple[Action, _Loc]]]
+
+
+def prepare(programs: Programs) -> Prepared:
+    """Check `programs` once (raises ScheduleError) for any number of timed `simulate` runs."""
+    programs = [list(p) for p in programs]
+    n = len(programs)
+    if n == 0:
+        raise ScheduleError("no programs: need one per stage")
     peak_live = [_check_stage(programs, s) for s in range(n)]
     _check_collectives(programs)
     partner = _match_channels(programs)
-    return _run(programs, partner, t_fwd, t_bwd, t_comm, peak_live)
+    units = [comm_groups(p) for p in programs]
+    # per stage: program index -> unit index
+    unit_of = [[u for u, unit in enumerate(stage_units) for _ in unit] for stage_units in units]
+    waits_for: dict[_Loc, list[tuple[Action, _Loc]]] = defaultdict(list)
+    for s, program in enumerate(programs):
+        for i, a in enumerate(program):
+            if a.is_comm:
+                ps, pi = partner[(s, i)]
+                waits_for[(s, unit_of[s][i])].append((a, (ps, unit_of[ps][pi])))
+    return Prepared(programs, peak_live, units, waits_for)
 
 
 def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
@@ -76,6 +106,16 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
 def _programs_text(programs: Programs, stages: Sequence[int] | None = None) -> str:
     stages = range(len(programs)) if stages is None else stages
     return "".join(f"\n  stage {s}: {format_program(programs[s])}" for s in stages)
+
+
+class _LazyText:
+    """`_programs_text` formatted only when an f-string uses it."""
+
+    def __init__(self, programs: Programs, stages: Sequence[int]):
+        self.programs, self.stages = programs, stages
+
+    def __format__(self, spec: str) -> str:
+        return _programs_text(self.programs, self.stages)
 
 
 def _expected_peer(op: Op, s: int) -> int:
@@ -174,7 +214,7 @@ def _match_channels(programs: list[list[Action]]) -> dict[_Loc, _Loc]:
     partner: dict[_Loc, _Loc] = {}
     for src, dst, kind in sorted(sends.keys() | recvs.keys()):
         out, inc = sends[(src, dst, kind)], recvs[(src, dst, kind)]
-        shown = _programs_text(programs, sorted({src, dst}))
+        shown = _LazyText(programs, sorted({src, dst}))  # only an error message needs it
         for k, (snd, rcv) in enumerate(zip(out, inc)):
             if mb(snd) != mb(rcv):
                 raise ScheduleError(
@@ -201,24 +241,13 @@ def _unit_text(unit: tuple[Action, ...]) -> str:
 
 
 def _run(
-    programs: list[list[Action]],
-    partner: dict[_Loc, _Loc],
+    prepared: Prepared,
     t_fwd: list[float],
     t_bwd: list[float],
     t_comm: float,
-    peak_live: list[int],
 ) -> SimResult:
+    programs, units, waits_for, peak_live = prepared.programs, prepared.units, prepared.waits_for, prepared.peak_live
     n = len(programs)
-    units = [comm_groups(p) for p in programs]
-    # per stage: program index -> unit index
-    unit_of = [[u for u, unit in enumerate(stage_units) for _ in unit] for stage_units in units]
-    # For every comm unit, each op and the (stage, unit) holding its partner: the unit waits for all.
-    waits_for: dict[_Loc, list[tuple[Action, _Loc]]] = defaultdict(list)
-    for s, program in enumerate(programs):
-        for i, a in enumerate(program):
-            if a.is_comm:
-                ps, pi = partner[(s, i)]
-                waits_for[(s, unit_of[s][i])].append((a, (ps, unit_of[ps][pi])))
 
     pc = [0] * n
     clock = [0.0] * n
