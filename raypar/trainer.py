@@ -14,30 +14,17 @@ from pathlib import Path
 from statistics import fmean
 from typing import Callable
 
-from raypar.config import Config, ConfigError
-from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
-from raypar.schedule import build_programs, prepare
-import ray
-import torch
-
-from raypar.actors.worker_group import StepTimeout
 from raypar.callbacks import Callback, as_callbacks
-from raypar.runtime.comm import CollectiveTimeout
-from raypar.elastic import Plan, State, StateMachine, plan_grid, with_plan
+from raypar.config import Config, ConfigError
+from raypar.controller import Controller
+from raypar.data import DataError, SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
+from raypar.elastic import State
 from raypar.metrics.exporter import stage_times
-from raypar.progress import Progress, write_status
+from raypar.progress import Progress
 from raypar.saver import Saver
+from raypar.schedule import build_programs, prepare
 from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
 from raypar.topology import Grid
-
-
-# A lost worker or node, or a collective that hung: what the controller recovers from.
-WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
-                   StepTimeout)
-
-
-# status.json is rewritten at most this often while steps run (and when the run ends).
-STATUS_EVERY_S = 1.0
 
 
 @dataclass
@@ -159,21 +146,16 @@ class Trainer:
             cfg.model.init_from = str(hf_dir)
         self.group = None
         self.device: str | None = None  # "cpu" or "cuda" once the workers are placed
-        self._step_issued: float | None = None  # when the step in flight was sent to the workers
         self.saver = Saver(cfg, self.run_dir, self.grid, self.log,
                            on_result=lambda r: [c.on_checkpoint(self, r) for c in self.callbacks])
         self.start_step = 0
         self.base_cfg = cfg  # the configured grid; elastic re-plans derive from it
         self.configured_grid = self.grid
-        self.controller = StateMachine(on_change=self._state_changed)
         self.recoveries: list[dict] = []
         self.restarts = 0
-        self._recovery: dict | None = None
-        self._next_plan: Plan | None = None
-        self._max_step_done = 0
-        self._stop = False
-        self._stop_save = False
-        self._status_written = 0.0  # monotonic time of the last status.json
+        self._control = Controller(self)
+        # Callers follow the run through its state machine (`state`, `history`).
+        self.controller = self._control.states
         self._set_programs(build_programs(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches,
                                           release=cfg.runtime.release))
 
@@ -217,19 +199,16 @@ class Trainer:
         from raypar.resources import plan_resources
 
         if self.cfg.elastic.enabled:
-            plan, self._next_plan = self._next_plan, None
-            self._adopt(plan or self._plan_elastic())
+            self._control.plan()
         resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
         self.controller.to(State.STARTING, str(self.grid))
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
         if self.group is not None:
-            # Workers kept after a failure (`_recover`): the new grid on them plus replacements.
+            # Workers kept after a failure (`Controller._recover`): the new grid on them plus replacements.
             counts = self.group.reconfigure(self.cfg, self.grid)
-            if self._recovery is not None:
-                self._recovery["workers_kept"] = counts["kept"]
-                self._recovery["workers_started"] = self._recovery.get("workers_started", 0) + counts["started"]
+            self._control.workers_reused(counts)
             self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}")
         else:
             self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
@@ -243,38 +222,6 @@ class Trainer:
             self._kernels_said = True
             self.log("raypar: kernels " + ", ".join(f"{k}: {v}" for k, v in status.items()))
 
-    def _plan_elastic(self) -> Plan:
-        """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
-        import ray
-
-        from raypar.resources import ResourceError
-
-        deadline = time.monotonic() + self.cfg.elastic.resource_timeout_s
-        while True:
-            # Workers kept after a failure (and their free bundles) count beside free resources.
-            slots = self._worker_slots(ray.available_resources()) + (self.group.reusable_slots() if self.group else 0)
-            plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
-            if plan is not None:
-                return plan
-            if time.monotonic() >= deadline:
-                raise ResourceError(
-                    f"no grid of at least elastic.min_workers={self.cfg.elastic.min_workers} workers fits: the cluster "
-                    f"has room for {slots} workers of {self.cfg.runtime.cpus_per_worker:g} CPUs"
-                    + (" and 1 GPU" if self._device() == "cuda" else "")
-                    + f" after waiting elastic.resource_timeout_s={self.cfg.elastic.resource_timeout_s:g}s"
-                )
-            time.sleep(1.0)
-
-    def _adopt(self, plan: Plan) -> None:
-        if plan.grid != self.grid or plan.microbatches != self.cfg.parallel.microbatches:
-            self.log(f"raypar: planned grid {plan}")
-        self.cfg = with_plan(self.base_cfg, plan)
-        self.grid = plan.grid
-        self.saver.grid = plan.grid
-        self.saver.cfg = self.cfg
-        self._set_programs(build_programs(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.microbatches,
-                                          release=self.cfg.runtime.release))
-
     def _set_programs(self, programs) -> None:
         self.programs = programs
         self._sim_programs = prepare(programs)  # checked once; each step only times them
@@ -287,7 +234,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> RunSummary:
-        """Run the job: the controller's state machine around the step loop.
+        """Run the job: the controller (`raypar.controller`) runs its state machine around the step loop.
 
         PLANNING picks a grid for what the cluster has, STARTING places the workers and
         loads a checkpoint, RUNNING steps. A lost worker or node, or a hung collective,
@@ -299,207 +246,17 @@ class Trainer:
         dataset = self.prepare_data()
         order = SampleOrder(len(dataset), self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
         self._connect()
-        records: list[StepRecord] = []
-        consumed = 0
-        resume = self.cfg.checkpoint.resume
-        mode = "a" if resume else "w"
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-        try:
-            with open(self.run_dir / "metrics.jsonl", mode) as metrics, \
-                    open(self.run_dir / "events.jsonl", mode) as events:
-                while True:
-                    try:
-                        self.start(dataset)  # a worker lost while starting is a failure like any other
-                        start, consumed = self.resume(resume)
-                        self.saver.start_writers(self.group)
-                        self.controller.to(State.RUNNING)
-                        self._recovered()
-                        for callback in self.callbacks:
-                            callback.on_train_start(self)
-                        consumed, outcome = self._run(start, consumed, order, records, metrics, events)
-                    except WORKER_FAILURES as e:
-                        resume = self._recover(e)
-                        continue
-                    if outcome == "grow":
-                        self.controller.to(State.GROWING, f"resources for {self._grow_to}")
-                        self.saver.finish()
-                        self.shutdown()
-                        self._next_plan = self._grow_to
-                        self.controller.to(State.PLANNING)
-                        resume = "latest"
-                        continue
-                    break
-            self.controller.to(State.FINISHED)
-            self._write_status(self._max_step_done, records[-1].loss if records else None)
-        except BaseException as e:
-            if self.controller.state not in (State.FINISHED, State.FAILED):
-                self.controller.to(State.FAILED, repr(e)[:200])
-                self._write_status(self._max_step_done)
-            raise
-        finally:
-            self.shutdown()
+        records, consumed = self._control.run(dataset, order)
         summary = self._summarise(records, consumed)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         for callback in self.callbacks:
             callback.on_train_end(self, summary)
         return summary
 
-    def _run(self, start: int, consumed: int, order: SampleOrder, records: list, metrics, events) -> tuple[int, str]:
-        """Steps from `start` to the end (or a stop request, or a chance to grow)."""
-        committed = len(self.saver.results)
-        for step in range(start, self.cfg.train.steps):
-            if self._stop:
-                break
-            save = self.saver.due(step + 1)
-            ema = self.saver.ema_due(step + 1)
-            stall = 0.0
-            if save:
-                save, stall = self.saver.ready_for()
-            snapshot = None
-            if save or ema:
-                # The last snapshot's buffers are reused: it must have left the workers.
-                stall += self.group.wait_exports(self.cfg.checkpoint.timeout_s)
-                snapshot = self.saver.snapshot_options() if save else {"save_optimizer": False, "save_master": False}
-            self._step_issued = time.time()
-            record = self.train_step(step, order, consumed, events, snapshot=snapshot)
-            consumed = record.consumed_samples
-            t0 = time.perf_counter()
-            if save:
-                self.saver.begin(self.group, step + 1, consumed, update_ema=ema)
-            elif ema:
-                self.group.update_ema(str(self.saver.root))
-            else:
-                self.saver.poll()
-            stall += time.perf_counter() - t0
-            record.checkpoint_stall_s += stall
-            records.append(record)
-            self._max_step_done = max(self._max_step_done, step + 1)
-            if self._recovery is not None:
-                self._finish_recovery(record)
-            if step == self.cfg.runtime.timeline_step:
-                self._draw_timeline(step, events)
-            metrics.write(json.dumps(asdict(record)) + "\n")
-            metrics.flush()
-            self.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
-            if time.monotonic() - self._status_written >= STATUS_EVERY_S or step + 1 == self.cfg.train.steps:
-                self._write_status(step + 1, record.loss)
-            for callback in self.callbacks:
-                callback.on_step_end(self, record)
-            if len(self.saver.results) > committed:
-                committed = len(self.saver.results)
-                if self.saver.results[-1].error is None and step + 1 < self.cfg.train.steps and self._can_grow():
-                    return consumed, "grow"
-        last = records[-1] if records else None
-        if self._stop and self._stop_save and last is not None and not self.saver.due(last.step + 1):
-            # Stopped early on request: keep where it stopped.
-            if self.saver.ready_for()[0]:
-                self.group.snapshot(last.step, self.saver.snapshot_options())
-                self.saver.begin(self.group, last.step + 1, consumed)
-        self.saver.finish()
-        return consumed, "finished"
-
-    # -- elasticity ------------------------------------------------------------------------
-
-    def _recover(self, error: BaseException) -> str | None:
-        """Tear down after a failure; returns what to resume from. Raises when out of tries."""
-        detected = time.time()
-        elastic = self.cfg.elastic
-        if not self._is_worker_failure(error):
-            raise error  # a bug in a worker, not a lost one: recovering would only repeat it
-        if not elastic.enabled or self.restarts >= elastic.max_restarts:
-            if elastic.enabled:
-                self.log(f"raypar: giving up after {self.restarts} restarts "
-                         f"(elastic.max_restarts={elastic.max_restarts})")
-            raise error
-        self.controller.to(State.RECOVERING, repr(error)[:200])
-        self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
-                 f"recovering from the last committed checkpoint")
-        save_lost = self.saver.abandon()
-        kept = 0
-        if elastic.keep_survivors and self.group is not None:
-            try:
-                kept = self.group.salvage(elastic.survivor_timeout_s, keep_writers=not save_lost)
-            except Exception as e:  # noqa: BLE001 - fall back to starting every worker again
-                self.log(f"raypar: could not keep the surviving workers ({type(e).__name__}: {e}); restarting all")
-        if not kept:
-            self.shutdown()
-        self.restarts += 1
-        if self._recovery is not None:
-            # Failed again before the first good step: one recovery, timed from the first failure.
-            self._recovery["attempts"] += 1
-        else:
-            self._recovery = {"error": type(error).__name__, "failed_grid": str(self.grid), "detected_at": detected,
-                              "detection_s": detected - (self._step_issued or detected),
-                              "restart": self.restarts, "attempts": 1, "steps_done": self._max_step_done}
-        self.controller.to(State.PLANNING)
-        return "latest"
-
-    def _state_changed(self, state: State, why: str) -> None:
-        with open(self.run_dir / "controller.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "state": state.value, "why": why}) + "\n")
-        for callback in self.callbacks:
-            callback.on_state_change(self, state.value)
-
-    def _is_worker_failure(self, error: BaseException) -> bool:
-        import ray
-
-        if not isinstance(error, ray.exceptions.RayTaskError) or isinstance(error, ray.exceptions.RayActorError):
-            return True
-        cause = getattr(error, "cause", None)
-        if isinstance(cause, (CollectiveTimeout, torch.distributed.DistBackendError, ConnectionError)):
-            return True
-        if isinstance(cause, RuntimeError) and any(
-                s in str(cause) for s in ("Connection closed", "Connection reset", "connection", "Timed out")):
-            return True  # gloo reports a vanished peer as a RuntimeError
-        return self.group is not None and not self.group.all_alive()
-
-    def _recovered(self) -> None:
-        if self._recovery is not None:
-            self._recovery.update(grid=str(self.grid), resumed_step=self.start_step)
-
-    def _finish_recovery(self, record: StepRecord) -> None:
-        event, self._recovery = self._recovery, None
-        event["recovery_s"] = time.time() - event.pop("detected_at")
-        # Steps done before the failure that the run had to do again from the checkpoint.
-        event["steps_lost"] = max(0, event.pop("steps_done") - event["resumed_step"])
-        self.recoveries.append(event)
-        self.log(f"raypar: recovered on {event['grid']} in {event['recovery_s']:.1f}s "
-                 f"(detected after {event['detection_s']:.1f}s, {event['steps_lost']} steps redone)")
-        for callback in self.callbacks:
-            callback.on_recovery(self, event)
-
-    def _worker_slots(self, resources: dict[str, float]) -> int:
-        cpus = self.cfg.runtime.cpus_per_worker
-        slots = int(resources.get("CPU", 0.0) / cpus + 1e-9)
-        if self._device() == "cuda":
-            slots = min(slots, int(resources.get("GPU", 0.0)))
-        return slots
-
-    def _device(self) -> str:
-        """The device workers get: as placed, or as planning for this cluster would choose."""
-        if self.device is not None:
-            return self.device
-        if self.cfg.runtime.device != "auto":
-            return self.cfg.runtime.device
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-
-    def _can_grow(self) -> bool:
-        import ray
-
-        if not (self.cfg.elastic.enabled and self.cfg.elastic.grow) or self.grid == self.configured_grid:
-            return False
-        # Bundles the group still holds (e.g. placed again on a returned node) count as free.
-        slots = self._worker_slots(ray.available_resources()) + self.grid.size + self.group.held_free_slots()
-        plan = plan_grid(self.base_cfg, slots, self.cfg.elastic.min_workers)
-        if plan is not None and plan.grid.size > self.grid.size:
-            self._grow_to = plan
-            return True
-        return False
-
     def request_stop(self, save: bool = True) -> None:
         """End the run after the current step (from a callback); with `save`, checkpoint it."""
-        self._stop = True
-        self._stop_save = save and self.cfg.checkpoint.every > 0
+        self._control.stop(save=save and self.cfg.checkpoint.every > 0)
 
     def resume(self, spec: str | None) -> tuple[int, int]:
         """Load checkpoint `spec` into the workers: (first step to run, consumed samples).
@@ -510,7 +267,7 @@ class Trainer:
         from raypar.checkpoint import CheckpointError, latest, read_manifest, resolve
 
         self.start_step = 0
-        if spec is None or (spec == "latest" and self._recovery is not None and latest(self.saver.root) is None):
+        if spec is None or (spec == "latest" and self._control.recovering and latest(self.saver.root) is None):
             return 0, 0
         path = resolve(self.saver.root, spec)
         manifest = read_manifest(path)
@@ -572,23 +329,6 @@ class Trainer:
             checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
             stage_times=stage_times(reports, grid),
         )
-
-    def _draw_timeline(self, step: int, events) -> None:
-        from raypar.timeline import draw_png, load_step, write_chrome_trace
-
-        events.flush()
-        spans = load_step(self.run_dir, step)
-        png = draw_png(spans, self.run_dir / f"timeline-step{step}.png", title=f"{self.grid}, step {step}")
-        write_chrome_trace(spans, self.run_dir / f"timeline-step{step}.json")
-        self.log(f"raypar: timeline of step {step} -> {png}")
-
-    def _write_status(self, step: int, loss: float | None = None) -> None:
-        self._status_written = time.monotonic()
-        ok = [r for r in self.saver.results if r.error is None]
-        write_status(self.run_dir, run_dir=str(self.run_dir), state=self.controller.state.value, grid=str(self.grid),
-                     schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
-                     device=self.device, step=step, total_steps=self.cfg.train.steps,
-                     loss=loss, last_checkpoint=ok[-1].path if ok else None, restarts=self.restarts)
 
     def _summarise(self, records: list[StepRecord], consumed: int) -> RunSummary:
         # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
