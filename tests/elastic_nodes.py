@@ -32,6 +32,9 @@ class NodeChaos(Callback):
         elif record.step == 5 and len(self.cluster.list_all_nodes()) == 2:
             print("adding a node", flush=True)
             self.cluster.add_node(num_cpus=1)
+            # Steps take a fraction of a second: without waiting, a node that registers
+            # slowly (a loaded machine) can miss every checkpoint left to grow at.
+            self.cluster.wait_for_nodes()
 
 
 def main(tmp: Path) -> int:

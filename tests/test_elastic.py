@@ -184,4 +184,4 @@ def test_node_loss_shrinks_and_node_return_grows(tmp_path, data):
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                          timeout=380, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert "GREW" in out.stdout and "SHRANK" in out.stdout
+    assert "GREW" in out.stdout and "SHRANK" in out.stdout, out.stdout[-4000:]
