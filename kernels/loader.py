@@ -4,8 +4,8 @@ Each worker process compiles a module once (`RawModule`, NVRTC) on first use; Cu
 the binaries on node-local disk (CUPY_CACHE_DIR, default a per-user folder under the
 system temp dir), and a file lock around the first compile makes the workers of a node
 that start together compile once and read the cache after. Tensors reach the kernels by
-device pointers (`as_cupy` gives the DLPack view for callers that want CuPy arrays; the
-launch path skips it because its per-tensor cost exceeds a small kernel's run time);
+device pointers, not DLPack: a DLPack conversion per tensor costs more host time than a
+small kernel runs (bench/kernels.py measures it);
 bf16/fp16 travel as 16-bit integers (the kernels convert). Launches go on torch's
 current stream, so kernels order with the torch ops around them. A failed launch raises;
 with RAYPAR_KERNELS_SYNC=1 every launch is also synchronised, so a fault in a kernel is
@@ -120,18 +120,7 @@ def _pointer(t: torch.Tensor, device: int) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def as_cupy(t: torch.Tensor):
-    """A zero-copy CuPy view of `t` by DLPack (16-bit floats as int16: the kernels convert)."""
-    cupy, _ = _cupy_or_reason()
-    t = t.detach()  # DLPack refuses tensors that require grad; autograd is ours to handle
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.int16)
-    elif t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return cupy.from_dlpack(t)
-
-
-_functions: dict[tuple[str, str, int], object] = {}
+_functions: dict[tuple[str, str, int], object] = {}  # (source, kernel, device) -> CuPy function
 
 
 def launch(source: str, name: str, grid: int | tuple[int, ...], block: int, args: tuple) -> None:

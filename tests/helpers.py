@@ -1,6 +1,11 @@
 """Tiny configs and a harness that steps a worker group next to the single-process reference."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from raypar.config import Config, config_from_dict
@@ -12,6 +17,8 @@ from raypar.stats import step_loss
 from raypar.topology import Grid
 
 from conftest import WORKER_CPUS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_config(tmp_path, **sections) -> Config:
@@ -26,6 +33,28 @@ def tiny_config(tmp_path, **sections) -> Config:
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return config_from_dict(raw)
+
+
+def run_config(tmp_path, name: str, grid: tuple[int, int, int], steps: int, model: dict | None = None,
+               **sections) -> Config:
+    """A Trainer run `name` of the tiny model on `grid` over the shared data.parquet, with
+    checkpoints under the run (`sections`: checkpoint, elastic, ... settings)."""
+    dp, pp, ep = grid
+    return tiny_config(
+        tmp_path / name, model=model or {},
+        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2},
+        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
+        data={"path": str(tmp_path / "data.parquet")},
+        **{**sections, "checkpoint": {"dir": str(tmp_path / name / "ckpt"), **sections.get("checkpoint", {})}},
+    )
+
+
+def run_bench_cpu(suite: str, out_dir, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m bench.run --suite <suite> --cpu --steps 2`; its output and results.json."""
+    out = subprocess.run([sys.executable, "-m", "bench.run", "--suite", suite, "--cpu", "--steps", "2",
+                          "--out", str(out_dir)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out, json.loads((Path(out_dir) / "results.json").read_text())
 
 
 def synthetic_data(tmp_path, cfg: Config) -> TokenDataset:

@@ -1,12 +1,9 @@
 """The benchmark harness runs on CPU with tiny sizes, so it cannot rot between GPU runs."""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_bench_cpu
+
 SUITES = ["kernels", "moe", "baselines", "checkpoint", "elastic", "pipeline"]
 # Rows that cannot run without GPUs and say so; on CPU every other row must have run.
 CPU_UNAVAILABLE = {"NCCL p2p send/recv, 256 MiB"}
@@ -18,10 +15,7 @@ def _rows(results: dict, suite: str) -> dict[str, dict]:
 
 @pytest.mark.timeout(400)
 def test_every_suite_runs_on_cpu(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench.run", "--suite", "all", "--cpu", "--steps", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    out, results = run_bench_cpu("all", tmp_path, timeout=400)
     env = results["environment"]
     assert env["card"] == "cpu" and env["torch"] and env["ray"]
     assert list(results["suites"]) == SUITES

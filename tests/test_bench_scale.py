@@ -1,21 +1,13 @@
 """The scale suite (bench/scale.py, for 4-8 GPUs) runs on CPU with tiny sizes and 4 workers, so it
 cannot rot between GPU runs; its GPU sizes are checked without running them."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_bench_cpu
 
 
 @pytest.mark.timeout(300)
 def test_scale_suite_runs_on_cpu(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench.run", "--suite", "scale", "--cpu", "--steps", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    out, results = run_bench_cpu("scale", tmp_path, timeout=300)
     assert list(results["suites"]) == ["scale"]
     suite = results["suites"]["scale"]
     assert "error" not in suite, suite.get("traceback")

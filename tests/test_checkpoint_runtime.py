@@ -7,20 +7,13 @@ from raypar.checkpoint import CheckpointReader, checkpoint_dir, cleanup_uncommit
 from raypar.callbacks import StepFunction
 from raypar.trainer import Trainer
 
-from helpers import tiny_config
+from helpers import run_config
 
 MOE = {"n_layers": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01}
 
 
 def config(tmp_path, name, grid=(1, 2, 1), steps=10, every=5, model=None, **checkpoint):
-    dp, pp, ep = grid
-    return tiny_config(
-        tmp_path / name, model=model or {},
-        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2},
-        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
-        data={"path": str(tmp_path / "data.parquet")},
-        checkpoint={"every": every, "dir": str(tmp_path / name / "ckpt"), **checkpoint},
-    )
+    return run_config(tmp_path, name, grid, steps, model, checkpoint={"every": every, **checkpoint})
 
 
 @pytest.fixture

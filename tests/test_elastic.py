@@ -14,22 +14,15 @@ from raypar.resources import ResourceError
 from raypar.topology import Grid
 from raypar.trainer import Trainer
 
-from helpers import tiny_config
+from helpers import run_config
 
 MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2}
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def elastic_config(tmp_path, name, grid, model=None, steps=8, **elastic):
-    dp, pp, ep = grid
-    return tiny_config(
-        tmp_path / name, model=model or {},
-        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2},
-        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
-        data={"path": str(tmp_path / "data.parquet")},
-        checkpoint={"every": 2, "dir": str(tmp_path / name / "ckpt")},
-        elastic={"enabled": True, "resource_timeout_s": 10.0, **elastic},
-    )
+    return run_config(tmp_path, name, grid, steps, model, checkpoint={"every": 2},
+                      elastic={"enabled": True, "resource_timeout_s": 10.0, **elastic})
 
 
 @pytest.fixture
