@@ -1,6 +1,7 @@
 """One cell of the dp x pp x ep grid: a Ray actor wrapping raypar.runtime.StageRuntime."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 from datetime import timedelta
@@ -27,6 +28,10 @@ class ProgramVersionError(RuntimeError):
     """A step named a program version the worker was not sent (a driver bug)."""
 
 
+class StepRefused(RuntimeError):
+    """A step queued behind one that failed on this worker (or after `abort`): it waits for `reset`."""
+
+
 @ray.remote(concurrency_groups={"io": 1, "control": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
@@ -45,6 +50,10 @@ class StageWorker:
         self._dataset: TokenDataset | None = None  # opened on first use, kept across re-plans
         self.runtime: StageRuntime | None = None
         self.program_version = 0  # of the program set by set_program; 0: none yet
+        # Set when a step failed or the driver aborted: the groups are broken and steps
+        # queued behind (the driver sends the next step before the last one returns) are
+        # refused until `reset`, instead of waiting on peers that have left.
+        self.failed: str | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
@@ -83,12 +92,21 @@ class StageWorker:
                  capture_grads: bool = False, snapshot: dict | None = None) -> StepReport:
         """One step of program `version`; with `snapshot` (save options) the state after it
         starts copying to host. The report carries numbers, not the program's labels."""
+        if self.failed is not None:
+            raise StepRefused(f"rank {self.rank}: step {step} not run: {self.failed}; the worker waits for reset")
         if version != self.program_version:
             raise ProgramVersionError(f"rank {self.rank}: step {step} is for program version {version}, this worker "
                                       f"holds version {self.program_version} (set_programs was not called)")
-        report = self.runtime.run_step(step, sample_ids, capture_grads)
-        if snapshot is not None:
-            report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
+        try:
+            report = self.runtime.run_step(step, sample_ids, capture_grads)
+            if snapshot is not None:
+                # The snapshot is of this step's result: only take it if every peer got through it.
+                self.runtime.check_peers()
+                report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
+        except BaseException as e:
+            self.failed = f"step {step} failed ({type(e).__name__})"
+            self._break_groups()
+            raise
         return report
 
     def start_snapshot(self, step: int, options: dict) -> float:
@@ -102,12 +120,24 @@ class StageWorker:
         return to_wire(self.runtime.snapshot.host_tensors())
 
     def load_checkpoint(self, path: str, same_grid: bool) -> dict:
+        """Load this worker's share of checkpoint `path`; returns what it read (bytes, seconds)."""
+        import time
+
         from raypar.checkpoint import CheckpointReader
 
+        t0 = time.perf_counter()
+        read_bytes = 0
         with CheckpointReader(path) as reader:
+            def read(*args, **kwargs) -> torch.Tensor:
+                nonlocal read_bytes
+                t = reader.read(*args, **kwargs)
+                read_bytes += t.nbytes
+                return t
+
             names = set(reader.names())
-            missing = self.runtime.load_checkpoint(reader.read, names, same_grid)
-        return {"rank": self.rank, "missing_optimizer_state": len(missing)}
+            missing = self.runtime.load_checkpoint(read, names, same_grid)
+        return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": read_bytes,
+                "seconds": time.perf_counter() - t0}
 
     def owned_weight_names(self) -> list[str]:
         """The weights this worker writes to checkpoints (one writer per replicated tensor)."""
@@ -127,8 +157,10 @@ class StageWorker:
         has returned on this worker. Returns this worker's node id."""
         import gc
 
+        faulthandler.cancel_dump_traceback_later()
         self.runtime = None
         self.program_version = 0
+        self.failed = None
         self._destroy_groups()
         gc.collect()
         if self.device.type == "cuda":
@@ -136,15 +168,36 @@ class StageWorker:
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="control")
-    def abort(self) -> None:
-        """Break NCCL collectives stuck on a lost peer so that the step in flight returns.
+    def abort(self, dump_after_s: float | None = None) -> None:
+        """Break NCCL collectives stuck on a lost peer so that the step in flight returns, and
+        refuse the steps queued behind it.
 
-        Runs beside run_step. Gloo (CPU) needs nothing: a lost peer closes its connections,
-        and a hung one runs into the collective timeout.
+        Runs beside run_step. Gloo (CPU) needs no abort: a lost peer, or one whose step failed
+        (`_break_groups`), closes its connections; a hung one runs into the collective timeout.
         """
+        self.failed = self.failed or "aborted by the driver after a failure"
+        if dump_after_s is not None:
+            # If `reset` has not come within dump_after_s, every thread's stack goes to this
+            # worker's log: where a survivor that is about to be replaced was stuck.
+            faulthandler.dump_traceback_later(dump_after_s, exit=False)
+        if self.device.type == "cuda":
+            self._abort_nccl()
+
+    def _break_groups(self) -> None:
+        """After a failed step: leave the groups so that peers waiting on this worker fail now.
+
+        Gloo peers see the closed connections at once; NCCL has no such signal, so the
+        driver's `abort` frees peers that wait on this worker.
+        """
+        if self.device.type == "cuda":
+            self._abort_nccl()
+        else:
+            self._destroy_groups()
+
+    def _abort_nccl(self) -> None:
         import torch.distributed as dist
 
-        if self.device.type == "cuda" and dist.is_initialized():
+        if dist.is_initialized():
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is not None:
                 try:

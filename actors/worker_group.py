@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -21,8 +23,13 @@ from .stage_worker import StageWorker
 # on the peer then never finishes, because NCCL's proxy thread needs the same lock. That
 # hung forward-then-backward at its first backward (the first new kernels launched while
 # receives were pending).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2: on an NCCL error or timeout, abort the communicator
+# but keep the process. torch's default (3) ends the process, which turns every worker that
+# shared a collective with a lost one into a lost one too, so none survive to be kept.
+# Steps that ran into such an abort fail at their next collective; a snapshot is taken
+# only after a check over the world (`StageRuntime.check_peers`).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "CUDA_MODULE_LOADING": "EAGER"}
+           "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 # How often a wait for all workers looks for one that already failed.
@@ -31,6 +38,15 @@ _ERROR_POLL_S = 0.1
 
 class StepTimeout(RuntimeError):
     """Some stage workers did not finish a step in time."""
+
+
+@dataclass
+class IssuedStep:
+    """A step sent to every worker (`WorkerGroup.issue_step`), its reports not collected yet."""
+
+    step: int
+    refs: list  # one ObjectRef per worker, by rank
+    program_version: int
 
 
 class WorkerGroup:
@@ -115,9 +131,8 @@ class WorkerGroup:
         # The grid's workers, and any kept before that a failed start did not place yet.
         candidates = [(rank, w, slot) for rank, (w, slot) in enumerate(zip(self.workers, self.slots))]
         candidates += [(rank, w, slot) for rank, w, slot, _ in self.survivors]
-        if self.resources.device == "cuda":
-            for _, w, _ in candidates:
-                w.abort.remote()
+        for _, w, _ in candidates:
+            w.abort.remote(0.8 * timeout)  # also refuses the steps already queued behind the failed one
         refs = [w.reset.remote() for _, w, _ in candidates]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         ready = set(ready)
@@ -235,10 +250,19 @@ class WorkerGroup:
     def run_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
                  snapshot: dict | None = None) -> list[StepReport]:
         """sample_ids[rank] for the programs of the last `set_programs`; one Ray call per worker."""
-        version = self.program_version
-        refs = [w.run_step.remote(step, version, sample_ids[r], capture_grads, snapshot)
+        return self.collect_step(self.issue_step(step, sample_ids, capture_grads, snapshot))
+
+    def issue_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
+                   snapshot: dict | None = None) -> "IssuedStep":
+        """Send a step without waiting for it. Workers run their calls in order, so a step
+        issued while the last one runs starts the moment that one ends."""
+        refs = [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot)
                 for r, w in enumerate(self.workers)]
-        reports = self._get(refs, self.cfg.runtime.step_timeout_s, f"step {step}")
+        return IssuedStep(step, refs, self.program_version)
+
+    def collect_step(self, issued: "IssuedStep") -> list[StepReport]:
+        """Every worker's report of an issued step (raises the first failure, or StepTimeout)."""
+        reports = self._get(issued.refs, self.cfg.runtime.step_timeout_s, f"step {issued.step}")
         return [label_events(r, self._labels[r.stage]) for r in reports]
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -363,22 +387,38 @@ class WorkerGroup:
 
 
 def _root_cause(error: Exception, refs: list) -> Exception:
-    """A lost worker rather than the peers whose collectives failed because of it.
+    """The failure that started it rather than its echoes in the peers.
 
-    Peers of a dead worker often report first (their connection to it broke); give the
-    others a moment, and prefer an actor death among them.
+    A worker whose step fails leaves its process groups, so its peers' collectives fail
+    too and may report first. Give the others a moment, then prefer an actor death, then an
+    error that is not a broken connection or a refused step.
     """
     if isinstance(error, ray.exceptions.RayActorError):
         return error
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=_ERROR_POLL_S)
+    errors = [error]
     for ref in done:
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as e:
             return e
-        except Exception:  # noqa: BLE001 - another peer's error: keep looking
-            pass
-    return error
+        except Exception as e:  # noqa: BLE001 - another peer's error: keep looking
+            errors.append(e)
+    return next((e for e in errors if not is_echo(e)), error)
+
+
+def is_echo(error: BaseException) -> bool:
+    """A peer's view of another worker's failure: a broken collective or connection, a refused step."""
+    from raypar.runtime.comm import CollectiveTimeout
+
+    from .stage_worker import StepRefused
+
+    cause = getattr(error, "cause", error)
+    if isinstance(cause, (CollectiveTimeout, StepRefused, ConnectionError, torch.distributed.DistBackendError)):
+        return True
+    # gloo reports a vanished peer as a RuntimeError
+    return isinstance(cause, RuntimeError) and any(
+        s in str(cause) for s in ("Connection closed", "Connection reset", "connection", "Timed out"))
 
 
 def _kill(actor) -> None:

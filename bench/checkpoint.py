@@ -28,15 +28,17 @@ if TYPE_CHECKING:
     from bench.run import Context
 
 TITLE = "training-loop stall per save, write speed against the disk, resharded load"
-NOTES = ("stall: time the step loop was held up by a save (raypar: snapshot copy + hand-off, first save / "
-         "mean over saves; torch.save: the whole save; async_save: until it returned); overlap: extra "
+NOTES = ("stall: time the step loop was held up by a save (raypar: first save / mean over saves, the mean "
+         "including waits for the last save to commit when saves come faster than the disk takes them; "
+         "torch.save: the whole save; async_save: until it returned); overlap: extra "
          "time of the steps that ran while a raypar save was in flight, against steps with none; "
-         "stall / step: against raypar's step time for the same model and batch. Writes fsync. "
+         "stall / step: against raypar's median step time for the same model and batch. Writes fsync. "
          "raypar's MiB/s is its own figure, bytes / the slowest shard's write time; a node's one writer "
          "writes its shards one after another, so with 2 shards on a node it can read up to 2x high: "
          "save to commit (snapshot, hand-off, write, commit) bounds it from below. "
          "Load: read_manifest + WorkerGroup.load_checkpoint (same grid: into the workers that just saved; "
-         "resharded: Trainer.resume of a new pp=1 run); the files were just written, so reads may come "
+         "resharded: Trainer.resume of a new pp=1 run, whose one worker reads what two read on pp=2, so it is "
+         "also compared per byte read by the busiest worker); the files were just written, so reads may come "
          "from the page cache.")
 
 DISK_BYTES = {"gpu": 256 * 2**20, "cpu": 16 * 2**20}
@@ -48,11 +50,14 @@ def run(ctx: "Context") -> list[dict]:
     where.mkdir(parents=True, exist_ok=True)
     rows += ctx.attempt("disk: sequential write + fsync", lambda: disk_row(where, DISK_BYTES["cpu" if ctx.cpu else "gpu"]),
                         min_time_s=5)
-    # On GPU 8 steps: a save after step 4 and one at the end, with clean steps before to compare.
+    # On GPU 8 steps: a save after step 4 and one due at the end, with clean steps before to compare.
     steps = max(ctx.default_steps(gpu=8), 2)
     every = max(1, steps // 2)
-    cfg = ctx.config(["parallel.pp=2", f"checkpoint.every={every}", "checkpoint.keep_last=2"],
-                     f"save every {every}", steps=steps)
+    # A save takes longer to commit than `every` steps run (11 GB against ~1.5 GB/s): with
+    # when_busy=skip the next save is skipped, not waited for, so each measured stall is a
+    # save's own and the suite does not wait out a second commit.
+    cfg = ctx.config(["parallel.pp=2", f"checkpoint.every={every}", "checkpoint.keep_last=2",
+                      "checkpoint.when_busy=skip"], f"save every {every}", steps=steps)
     cfg.data.path = ctx.corpus(cfg)
     saved: dict = {}
     rows += ctx.attempt(f"raypar, checkpoint.every={every} (pp=2)", lambda: raypar_save_rows(ctx, cfg, every, saved))
@@ -78,6 +83,11 @@ def relate(rows: list[dict], step_s: float | None) -> None:
             r["stall_per_step"] = r["stall_s"] / step_s
         if same and r.get("load_pp") == 1 and "load_s" in r:
             r["vs_same_grid"] = r["load_s"] / same["load_s"]
+            # pp=1's one worker reads what pp=2's two read between them: compare the time per
+            # byte of the worker that read the most, which is what resharding itself costs.
+            if r.get("busiest_worker_bytes") and same.get("busiest_worker_bytes"):
+                r["vs_same_grid_per_byte"] = (r["load_s"] / r["busiest_worker_bytes"]) / (
+                    same["load_s"] / same["busiest_worker_bytes"])
 
 
 # -- the disk ------------------------------------------------------------------------------
@@ -132,20 +142,26 @@ def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> 
                                             f"before a save"}]
     if not ok:
         raise RuntimeError(f"no checkpoint committed: {summary.checkpoints}")
-    steps = cfg.train.steps
-    stalls = [r.checkpoint_stall_s for r in summary.records if (r.step + 1) % every == 0 or r.step + 1 == steps]
-    saved.update(path=ok[-1]["path"], bytes=ok[-1]["bytes"], step=ok[-1]["step"], step_time_s=summary.step_time_s)
+    saved_steps = {c["step"] for c in summary.checkpoints}  # saves started (skipped ones are not)
+    stalls = [r.checkpoint_stall_s for r in summary.records if r.step + 1 in saved_steps]
+    # The step a save is compared with: the median after the first, which the saves' own
+    # waits (e.g. for the last save to commit) do not move.
+    clean_step_s = statistics.median(r.step_time_s for r in summary.records[1:]) if len(summary.records) > 1 \
+        else summary.step_time_s
+    saved.update(path=ok[-1]["path"], bytes=ok[-1]["bytes"], step=ok[-1]["step"], step_time_s=clean_step_s)
     nbytes = statistics.fmean(c["bytes"] for c in ok)
     write_s = statistics.fmean(c["write_s"] for c in ok)
     rows = [ctx.row(label, cfg, summary, bytes=nbytes, stall_s=stalls[0] if stalls else 0.0,
                     stall_mean_s=statistics.fmean(stalls) if stalls else 0.0, stalls_s=stalls,
                     overlap_s=overlap_cost(summary, timeline), write_s=write_s,
                     write_bytes_per_s=nbytes / write_s if write_s else None,
-                    save_duration_s=statistics.fmean(c["duration_s"] for c in ok),
+                    save_duration_s=statistics.fmean(c["duration_s"] for c in ok), clean_step_s=clean_step_s,
+                    saves_skipped=summary.checkpoints_skipped,
                     end_to_end_bytes_per_s=statistics.fmean(c["bytes"] / c["duration_s"] for c in ok))]
     if load.load_s is not None:
         rows.append({"label": "load, same grid (pp=2 -> pp=2), into the running workers", "load_s": load.load_s,
                      "load_pp": 2, "bytes": load.bytes, "load_bytes_per_s": load.bytes / load.load_s,
+                     "busiest_worker_bytes": load.busiest_bytes,
                      "path": load.path, "config": cfg.to_dict()})
     return rows
 
@@ -160,6 +176,7 @@ class LoadAtEnd(Callback):
     def __init__(self) -> None:
         self.load_s: float | None = None
         self.bytes = 0
+        self.busiest_bytes = 0  # what the worker that read the most read
         self.path: str | None = None
 
     def on_step_end(self, trainer: Trainer, record) -> None:
@@ -175,8 +192,9 @@ class LoadAtEnd(Callback):
         t0 = time.perf_counter()
         manifest = read_manifest(self.path)
         same = manifest.topology == {"dp": trainer.grid.dp, "pp": trainer.grid.pp, "ep": trainer.grid.ep}
-        trainer.group.load_checkpoint(self.path, same_grid=same)
+        loaded = trainer.group.load_checkpoint(self.path, same_grid=same)
         self.load_s = time.perf_counter() - t0
+        self.busiest_bytes = max(r["bytes"] for r in loaded)
 
 
 def overlap_cost(summary: "RunSummary", timeline: SaveTimeline) -> float | None:
@@ -209,7 +227,8 @@ def resharded_load_row(ctx: "Context", saved_cfg: "Config", saved: dict, label: 
     if trainer.load_s is None:
         raise RuntimeError("the run did not resume from the checkpoint")
     return ctx.row(label, cfg, summary, load_s=trainer.load_s, load_pp=1, bytes=saved["bytes"],
-                   load_bytes_per_s=saved["bytes"] / trainer.load_s)
+                   load_bytes_per_s=saved["bytes"] / trainer.load_s,
+                   busiest_worker_bytes=max(r["bytes"] for r in trainer.loaded))
 
 
 class TimedResume(Trainer):
@@ -319,10 +338,14 @@ def table(rows: list[dict]) -> str:
         note = []
         if "vs_same_grid" in r:
             note.append(f"{r['vs_same_grid']:.2f}x the same-grid load")
+        if "vs_same_grid_per_byte" in r:
+            note.append(f"{r['vs_same_grid_per_byte']:.2f}x its time per byte read by the busiest worker")
         if "save_duration_s" in r:
             note.append(f"save to commit {r['save_duration_s']:.2f}s = {r['end_to_end_bytes_per_s'] / 2**20:,.0f} MiB/s"
                         + (f" ({r['end_to_end_vs_disk']:.2f} of disk)" if "end_to_end_vs_disk" in r else "")
-                        + f"; step {r['step_time_s'] * 1000:.0f} ms")
+                        + f"; step {r['clean_step_s'] * 1000:.0f} ms (median)")
+            if r.get("saves_skipped"):
+                note.append(f"{r['saves_skipped']} save(s) skipped while one was writing (when_busy=skip)")
         if "device" in r:
             note.append(f"on {r['device']}")
         vs_disk = f"{r['vs_disk']:.2f}" if r.get("vs_disk") else "-"

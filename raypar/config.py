@@ -112,6 +112,10 @@ class RuntimeConfig:
     placement_timeout_s: float = 30.0  # longest wait for the cluster to place all workers
     collective_timeout_s: float = 120.0  # longest wait in a p2p exchange or collective
     step_timeout_s: float = 600.0  # longest wait for every worker to finish a step
+    # Steps sent to the workers before the running one's reports are back. 1: workers start
+    # the next step as the last ends, while the driver reads reports and starts saves;
+    # 0: the driver waits for every step before sending the next.
+    steps_ahead: int = 1
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training
     # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
@@ -316,6 +320,8 @@ def validate(cfg: Config) -> None:
                           f"checkpoint.timeout_s={c.timeout_s} > 0")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    if r.steps_ahead < 0:
+        raise ConfigError(f"runtime.steps_ahead={r.steps_ahead} must be >= 0 (0 waits for each step, 1 sends the next early)")
     e = cfg.elastic
     if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0 or e.survivor_timeout_s <= 0:
         raise ConfigError(f"elastic.min_workers={e.min_workers} must be >= 1, elastic.max_restarts={e.max_restarts} "

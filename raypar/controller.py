@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from collections import deque
+from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING
 
 import ray
-import torch
 
-from raypar.actors.worker_group import StepTimeout
+from raypar.actors.worker_group import StepTimeout, is_echo
 from raypar.data import SampleOrder, TokenDataset
 from raypar.elastic import Plan, State, StateMachine, plan_grid, with_plan
 from raypar.progress import write_status
-from raypar.runtime.comm import CollectiveTimeout
 from raypar.schedule import build_programs
 
 if TYPE_CHECKING:
-    from raypar.trainer import StepRecord, Trainer
+    from raypar.trainer import PendingStep, StepRecord, Trainer
 
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
@@ -39,6 +38,17 @@ WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ra
 
 # status.json is rewritten at most this often while steps run (and when the run ends).
 STATUS_EVERY_S = 1.0
+
+
+@dataclass
+class _InFlight:
+    """A step sent to the workers, and what the driver does once it is back."""
+
+    pending: PendingStep
+    save: bool  # its snapshot becomes a checkpoint
+    ema: bool  # its snapshot updates the EMA
+    stall: float  # seconds the loop waited on checkpointing before sending it
+    issued_at: float  # time.time()
 
 
 class Controller:
@@ -51,7 +61,9 @@ class Controller:
         self._next_plan: Plan | None = None
         self._grow_to: Plan | None = None
         self._max_step_done = 0
-        self._step_issued: float | None = None  # when the step in flight was sent to the workers
+        self._step_issued: float | None = None  # when the step being waited for could start (time.time())
+        self._last_done_at = 0.0  # time.time() when the last step's reports came back
+        self._committed = 0  # saves seen finished (committed or failed) in this RUNNING stretch
         self._stop = False
         self._stop_save = False
         self._status_written = 0.0  # monotonic time of the last status.json
@@ -82,11 +94,13 @@ class Controller:
                     open(t.run_dir / "events.jsonl", mode) as events:
                 while True:
                     try:
+                        t0 = time.time()
                         t.start(dataset)  # a worker lost while starting is a failure like any other
+                        t1 = time.time()
                         start, consumed = t.resume(resume)
                         t.saver.start_writers(t.group)
                         self.states.to(State.RUNNING)
-                        self._recovered()
+                        self._recovered(workers_s=t1 - t0, load_s=time.time() - t1)
                         for callback in t.callbacks:
                             callback.on_train_start(t)
                         consumed, outcome = self._run(start, consumed, order, records, metrics, events)
@@ -115,59 +129,103 @@ class Controller:
 
     def _run(self, start: int, consumed: int, order: SampleOrder, records: list, metrics: IO[str],
              events: IO[str]) -> tuple[int, str]:
-        """Steps from `start` to the end (or a stop request, or a chance to grow)."""
+        """Steps from `start` to the end (or a stop request, or a chance to grow).
+
+        Up to `runtime.steps_ahead` steps are sent before the reports of the one running come
+        back: workers run their calls in order, so they go from one step to the next without
+        waiting for the driver, which reads reports, writes metrics and starts saves meanwhile.
+        """
         t = self.trainer
-        committed = len(t.saver.results)
-        for step in range(start, t.cfg.train.steps):
-            if self._stop:
+        self._committed = len(t.saver.results)
+        inflight: deque[_InFlight] = deque()
+        next_step, next_consumed = start, consumed
+        outcome = "finished"
+        while True:
+            while (outcome == "finished" and not self._stop and next_step < t.cfg.train.steps
+                   and len(inflight) <= t.cfg.runtime.steps_ahead and self._may_issue(next_step, inflight)):
+                inflight.append(self._issue(next_step, next_consumed, order))
+                next_step += 1
+                next_consumed += t.cfg.train.global_batch_size
+            if not inflight:
                 break
-            save = t.saver.due(step + 1)
-            ema = t.saver.ema_due(step + 1)
-            stall = 0.0
-            if save:
-                save, stall = t.saver.ready_for()
-            snapshot = None
-            if save or ema:
-                # The last snapshot's buffers are reused: it must have left the workers.
-                stall += t.group.wait_exports(t.cfg.checkpoint.timeout_s)
-                snapshot = t.saver.snapshot_options() if save else {"save_optimizer": False, "save_master": False}
-            self._step_issued = time.time()
-            record = t.train_step(step, order, consumed, events, snapshot=snapshot)
+            entry = inflight.popleft()
+            self._step_issued = max(entry.issued_at, self._last_done_at)
+            record = t.finish_step(entry.pending, events)
+            self._last_done_at = time.time()
             consumed = record.consumed_samples
-            t0 = time.perf_counter()
-            if save:
-                t.saver.begin(t.group, step + 1, consumed, update_ema=ema)
-            elif ema:
-                t.group.update_ema(str(t.saver.root))
-            else:
-                t.saver.poll()
-            stall += time.perf_counter() - t0
-            record.checkpoint_stall_s += stall
-            records.append(record)
-            self._max_step_done = max(self._max_step_done, step + 1)
-            if self._recovery is not None:
-                self._finish_recovery(record)
-            if step == t.cfg.runtime.timeline_step:
-                self._draw_timeline(step, events)
-            metrics.write(json.dumps(asdict(record)) + "\n")
-            metrics.flush()
-            t.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
-            if time.monotonic() - self._status_written >= STATUS_EVERY_S or step + 1 == t.cfg.train.steps:
-                self._write_status(step + 1, record.loss)
-            for callback in t.callbacks:
-                callback.on_step_end(t, record)
-            if len(t.saver.results) > committed:
-                committed = len(t.saver.results)
-                if t.saver.results[-1].error is None and step + 1 < t.cfg.train.steps and self._can_grow():
-                    return consumed, "grow"
+            if self._after_step(record, entry, records, metrics, events, overlapped=bool(inflight)) \
+                    and outcome == "finished":
+                outcome = "grow"  # after the steps already sent, which run and count
         last = records[-1] if records else None
-        if self._stop and self._stop_save and last is not None and not t.saver.due(last.step + 1):
+        if outcome == "finished" and self._stop and self._stop_save and last is not None \
+                and not t.saver.due(last.step + 1):
             # Stopped early on request: keep where it stopped.
             if t.saver.ready_for()[0]:
                 t.group.snapshot(last.step, t.saver.snapshot_options())
                 t.saver.begin(t.group, last.step + 1, consumed)
-        t.saver.finish()
-        return consumed, "finished"
+        if outcome == "finished":
+            t.saver.finish()
+        return consumed, outcome
+
+    def _may_issue(self, step: int, inflight: deque[_InFlight]) -> bool:
+        """Whether `step` may be sent behind the steps in flight.
+
+        A step that snapshots is sent alone: it reuses host buffers that the last snapshot's
+        export must have left, and it may have to wait for the last save to commit. Waiting
+        with nothing in flight keeps that wait out of the other steps' times.
+        """
+        t = self.trainer
+        return not inflight or not (t.saver.due(step + 1) or t.saver.ema_due(step + 1))
+
+    def _issue(self, step: int, consumed: int, order: SampleOrder) -> _InFlight:
+        t = self.trainer
+        save = t.saver.due(step + 1)
+        ema = t.saver.ema_due(step + 1)
+        stall = 0.0
+        if save:
+            save, stall = t.saver.ready_for()
+        snapshot = None
+        if save or ema:
+            # The last snapshot's buffers are reused: it must have left the workers.
+            stall += t.group.wait_exports(t.cfg.checkpoint.timeout_s)
+            snapshot = t.saver.snapshot_options() if save else {"save_optimizer": False, "save_master": False}
+        issued_at = time.time()
+        return _InFlight(t.issue_step(step, order, consumed, snapshot=snapshot), save, ema, stall, issued_at)
+
+    def _after_step(self, record: StepRecord, entry: _InFlight, records: list, metrics: IO[str],
+                    events: IO[str], overlapped: bool) -> bool:
+        """Everything the driver does with a finished step; returns whether the run should grow.
+
+        `overlapped`: the next step is already running, so the time spent here holds no worker up.
+        """
+        t = self.trainer
+        step = record.step
+        t0 = time.perf_counter()
+        if entry.save:
+            t.saver.begin(t.group, step + 1, record.consumed_samples, update_ema=entry.ema)
+        elif entry.ema:
+            t.group.update_ema(str(t.saver.root))
+        else:
+            t.saver.poll()
+        record.checkpoint_stall_s += entry.stall + (0.0 if overlapped else time.perf_counter() - t0)
+        records.append(record)
+        self._max_step_done = max(self._max_step_done, step + 1)
+        if self._recovery is not None:
+            self._finish_recovery(record)
+        if step == t.cfg.runtime.timeline_step:
+            self._draw_timeline(step, events)
+        metrics.write(json.dumps(asdict(record)) + "\n")
+        metrics.flush()
+        t.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
+        if time.monotonic() - self._status_written >= STATUS_EVERY_S or step + 1 == t.cfg.train.steps:
+            self._write_status(step + 1, record.loss)
+        for callback in t.callbacks:
+            callback.on_step_end(t, record)
+        if len(t.saver.results) > self._committed:
+            self._committed = len(t.saver.results)
+            if t.saver.results[-1].error is None and step + 1 < t.cfg.train.steps and self._can_grow():
+                return True
+        return False
 
     def _state_changed(self, state: State, why: str) -> None:
         t = self.trainer
@@ -292,6 +350,7 @@ class Controller:
                 t.log(f"raypar: could not keep the surviving workers ({type(e).__name__}: {e}); restarting all")
         if not kept:
             t.shutdown()
+        salvage_s = time.time() - detected
         t.restarts += 1
         if self._recovery is not None:
             # Failed again before the first good step: one recovery, timed from the first failure.
@@ -299,7 +358,8 @@ class Controller:
         else:
             self._recovery = {"error": type(error).__name__, "failed_grid": str(t.grid), "detected_at": detected,
                               "detection_s": detected - (self._step_issued or detected),
-                              "restart": t.restarts, "attempts": 1, "steps_done": self._max_step_done}
+                              "restart": t.restarts, "attempts": 1, "steps_done": self._max_step_done,
+                              "salvage_s": salvage_s}
         self.states.to(State.PLANNING)
         return "latest"
 
@@ -308,12 +368,8 @@ class Controller:
 
         if not isinstance(error, ray.exceptions.RayTaskError) or isinstance(error, ray.exceptions.RayActorError):
             return True
-        cause = getattr(error, "cause", None)
-        if isinstance(cause, (CollectiveTimeout, torch.distributed.DistBackendError, ConnectionError)):
+        if is_echo(error):
             return True
-        if isinstance(cause, RuntimeError) and any(
-                s in str(cause) for s in ("Connection closed", "Connection reset", "connection", "Timed out")):
-            return True  # gloo reports a vanished peer as a RuntimeError
         group = self.trainer.group
         return group is not None and not group.all_alive()
 
@@ -323,14 +379,19 @@ class Controller:
             self._recovery["workers_kept"] = counts["kept"]
             self._recovery["workers_started"] = self._recovery.get("workers_started", 0) + counts["started"]
 
-    def _recovered(self) -> None:
+    def _recovered(self, workers_s: float, load_s: float) -> None:
+        """STARTING done after a failure: where the recovery resumed and what its phases took."""
         if self._recovery is not None:
-            self._recovery.update(grid=str(self.trainer.grid), resumed_step=self.trainer.start_step)
+            self._recovery.update(grid=str(self.trainer.grid), resumed_step=self.trainer.start_step,
+                                  workers_s=workers_s, load_s=load_s, running_at=time.time())
 
     def _finish_recovery(self, record: StepRecord) -> None:
         t = self.trainer
         event, self._recovery = self._recovery, None
-        event["recovery_s"] = time.time() - event.pop("detected_at")
+        now = time.time()
+        event["recovery_s"] = now - event.pop("detected_at")
+        # recovery_s = salvage_s + (planning) + workers_s + load_s + first_step_s
+        event["first_step_s"] = now - event.pop("running_at")
         # Steps done before the failure that the run had to do again from the checkpoint.
         event["steps_lost"] = max(0, event.pop("steps_done") - event["resumed_step"])
         t.recoveries.append(event)

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from raypar.callbacks import Callback, as_callbacks
 from raypar.config import Config, ConfigError
@@ -25,6 +25,9 @@ from raypar.saver import Saver
 from raypar.schedule import build_programs, prepare
 from raypar.stats import measured_bubble, pipelines, simulated_bubble, step_loss
 from raypar.topology import Grid
+
+if TYPE_CHECKING:
+    from raypar.actors.worker_group import IssuedStep
 
 
 @dataclass
@@ -124,6 +127,16 @@ class RunSummary:
         return "\n".join(lines)
 
 
+@dataclass
+class PendingStep:
+    """A step sent to the workers whose reports the driver has not read yet."""
+
+    step: int
+    consumed: int  # samples consumed before it
+    issued: float  # time.perf_counter() when it was sent
+    issued_step: IssuedStep
+
+
 class Trainer:
     """Runs one training job on a Ray cluster (an existing one, or a local one it starts)."""
 
@@ -149,10 +162,12 @@ class Trainer:
         self.saver = Saver(cfg, self.run_dir, self.grid, self.log,
                            on_result=lambda r: [c.on_checkpoint(self, r) for c in self.callbacks])
         self.start_step = 0
+        self.loaded: list[dict] = []  # per worker, what the last resume read: rank, bytes, seconds
         self.base_cfg = cfg  # the configured grid; elastic re-plans derive from it
         self.configured_grid = self.grid
         self.recoveries: list[dict] = []
         self.restarts = 0
+        self._last_step_done = 0.0  # time.perf_counter() when the last step's reports came back
         self._control = Controller(self)
         # Callers follow the run through its state machine (`state`, `history`).
         self.controller = self._control.states
@@ -255,7 +270,9 @@ class Trainer:
         return summary
 
     def request_stop(self, save: bool = True) -> None:
-        """End the run after the current step (from a callback); with `save`, checkpoint it."""
+        """End the run (from a callback) after the steps already sent to the workers: with
+        `runtime.steps_ahead=1`, the one after the step just reported. With `save`, checkpoint
+        where it ends."""
         self._control.stop(save=save and self.cfg.checkpoint.every > 0)
 
     def resume(self, spec: str | None) -> tuple[int, int]:
@@ -282,7 +299,7 @@ class Trainer:
                 + ", ".join(f"model.{k}={old!r} there, {new!r} here" for k, (old, new) in changed.items())
             )
         topology = {"dp": self.grid.dp, "pp": self.grid.pp, "ep": self.grid.ep}
-        self.group.load_checkpoint(str(path), same_grid=manifest.topology == topology)
+        self.loaded = self.group.load_checkpoint(str(path), same_grid=manifest.topology == topology)
         if self.cfg.checkpoint.ema_decay:
             self.group.load_ema(str(self.saver.root), str(path))
         self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
@@ -292,14 +309,30 @@ class Trainer:
 
     def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None,
                    snapshot: dict | None = None) -> StepRecord:
+        """Run one step and wait for it."""
+        return self.finish_step(self.issue_step(step, order, consumed, snapshot), events_out)
+
+    def issue_step(self, step: int, order: SampleOrder, consumed: int, snapshot: dict | None = None) -> PendingStep:
+        """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
         cfg, grid = self.cfg, self.grid
-        t0 = time.perf_counter()
+        issued = time.perf_counter()
         batch = order.indices(consumed, cfg.train.global_batch_size)
         ids = [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
         # The workers hold the programs (set_programs at start and after a re-plan): a step
         # sends only its number, the program version and the sample ids.
-        reports = self.group.run_step(step, ids, snapshot=snapshot)
-        step_time = time.perf_counter() - t0
+        return PendingStep(step, consumed, issued, self.group.issue_step(step, ids, snapshot=snapshot))
+
+    def finish_step(self, pending: PendingStep, events_out=None) -> StepRecord:
+        """Wait for an issued step and make its record.
+
+        The step's time runs from when the workers could start it (its issue, or the end of
+        the step before it when it was queued behind that one) to when its reports are back.
+        """
+        cfg, grid, step, consumed = self.cfg, self.grid, pending.step, pending.consumed
+        t0 = max(pending.issued, self._last_step_done)
+        reports = self.group.collect_step(pending.issued_step)
+        self._last_step_done = time.perf_counter()
+        step_time = self._last_step_done - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.
             for r in reports:

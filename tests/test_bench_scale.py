@@ -51,7 +51,7 @@ def test_scale_suite_runs_on_cpu(tmp_path):
         # The survivors and the lost worker's bundle were kept: the same grid comes back.
         assert lost["not_held"] and lost["recovered_grid"] == lost["failed_grid"]
     assert lost["detection_s"] >= 0 and lost["recovery_s"] > 0
-    assert lost["tokens_per_s_before"] > 0 and lost["tokens_per_s_after"] > 0 and len(lost["steps_after"]) == 3
+    assert lost["tokens_per_s_before"] > 0 and lost["tokens_per_s_after"] > 0 and len(lost["steps_after"]) >= 3
 
     md = (tmp_path / "results.md").read_text()
     tail = out.stdout[out.stdout.rindex("# raypar benchmarks"):]

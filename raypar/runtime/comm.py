@@ -61,6 +61,19 @@ def all_reduce_(tensors: list[torch.Tensor], group, timeout: timedelta, average:
         offset += n
 
 
+def check_world(device: torch.device, timeout: timedelta) -> None:
+    """Raise unless every rank of the world gets here with working process groups.
+
+    One element summed over the world: a communicator aborted after a timeout (whose
+    collectives then leave garbage without raising where they ran) fails here instead.
+    """
+    one = torch.ones(1, device=device)
+    _wait(dist.all_reduce(one, async_op=True), timeout, "peer check over the world")
+    world = dist.get_world_size()
+    if int(one.item()) != world:
+        raise CollectiveTimeout(f"peer check over the world summed {one.item():g}, not {world}: a peer is broken")
+
+
 def _wait(work, timeout: timedelta, what: str) -> None:
     # No per-call timeout: on NCCL that would block the CPU until the kernel finishes and
     # stop it from queueing the next compute. The process group's own timeout bounds the

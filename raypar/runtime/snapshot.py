@@ -1,64 +1,119 @@
 """Copies of a worker's state into host memory that overlap with the next step.
 
-On GPU the copies run on a side stream into pinned buffers (reused across saves) after
-the optimizer step; the next optimizer step must wait for them, nothing else does. On
-CPU the copy is a plain clone.
+A snapshot is taken in two halves. At the end of a step the step's thread only marks the
+point to copy (a CUDA event) and keeps the RNG states (`begin`); the copies are issued by
+whichever thread needs them first (`issue`): usually the export to the checkpoint writer,
+which runs on its own thread beside the next step, else the next optimizer step, which
+must not write the state before it is copied. On GPU the copies run on a side stream into
+pinned buffers that are reused across saves; on CPU they are plain copies.
+
+Pinning host memory is slow (seconds for the gigabytes of a 1B model's state), so the
+buffers can be reserved ahead, on a background thread, from the state's expected layout
+(`reserve`); a snapshot that comes before they are ready waits for them.
 """
 from __future__ import annotations
 
+import threading
 import time
+from typing import Callable
 
 import torch
 
 from raypar.kernels import copy_
 
+Layout = dict[str, tuple[torch.Size, torch.dtype]]
+
 
 class StateSnapshot:
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._event = None
+        self._buffers: dict[str, torch.Tensor] = {}  # by name; kept across saves, whatever they hold
+        self._names: list[str] = []  # what the last snapshot holds
+        self._reserving: threading.Thread | None = None
+        self._lock = threading.Lock()  # one thread issues a snapshot's copies
+        self._collect: Callable[[], dict[str, torch.Tensor]] | None = None  # set between begin and issue
+        self._taken: dict[str, torch.Tensor] = {}  # host-side state kept at begin (RNG)
+        self._after = None  # CUDA event: the end of the step being copied
+        self._event = None  # CUDA event: the copies are done
         self._stream = None
         self.step: int | None = None
-        self.copy_s = 0.0
 
-    def start(self, step: int, tensors: dict[str, torch.Tensor]) -> float:
-        """Begin copying; returns the seconds the caller was held up issuing the copies."""
-        t0 = time.perf_counter()
-        self.step = step
-        cuda = any(t.is_cuda for t in tensors.values())
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream()
-        fresh: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            fresh[name] = buf
-        self._buffers = fresh
-        if cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                # One launch for the device tensors (the kernel), one copy for each other
-                # (host-side state such as RNG states, non-contiguous views).
-                on_device = [n for n, t in tensors.items() if t.is_cuda and t.is_contiguous()]
-                copy_([tensors[n] for n in on_device], [self._buffers[n] for n in on_device])
-                for name in tensors.keys() - set(on_device):
-                    self._buffers[name].copy_(tensors[name], non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(self._stream)
-        else:
+    def reserve(self, layout: Layout, pin: bool = True) -> None:
+        """Allocate (pinned) buffers for `layout` on a background thread; returns at once."""
+        if not layout:
+            return
+
+        def allocate() -> None:
+            for name, (shape, dtype) in layout.items():
+                if not self._fits(name, shape, dtype):
+                    self._buffers[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+        self._reserving = threading.Thread(target=allocate, name="snapshot-reserve", daemon=True)
+        self._reserving.start()
+
+    def _fits(self, name: str, shape, dtype) -> bool:
+        buf = self._buffers.get(name)
+        return buf is not None and buf.shape == shape and buf.dtype == dtype
+
+    def begin(self, step: int, collect: Callable[[], dict[str, torch.Tensor]], taken: dict[str, torch.Tensor],
+              cuda: bool) -> None:
+        """Mark the state as it is now (end of step `step`) for copying.
+
+        `collect` returns the live tensors to copy, called when the copies are issued: the
+        caller must not change them before `wait` returns. `taken` is host state already
+        copied (RNG states), kept as it is.
+        """
+        with self._lock:
+            self.step = step
+            self._collect = collect
+            self._taken = dict(taken)
+            self._after = None
+            if cuda:
+                self._after = torch.cuda.Event()
+                self._after.record()
+
+    def issue(self) -> None:
+        """Start the copies of the state `begin` marked (once; any thread)."""
+        with self._lock:
+            collect, self._collect = self._collect, None
+            if collect is None:
+                return
+            if self._reserving is not None:
+                self._reserving.join()
+                self._reserving = None
+            tensors = collect()
             for name, t in tensors.items():
-                self._buffers[name].copy_(t)
-            self._event = None
-        return time.perf_counter() - t0
+                if not self._fits(name, t.shape, t.dtype):
+                    self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            for name, t in self._taken.items():
+                self._buffers[name] = t
+            self._names = [*tensors, *self._taken]
+            if self._after is not None:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                self._stream.wait_event(self._after)
+                with torch.cuda.stream(self._stream):
+                    # One launch for the device tensors (the kernel), one copy for each other
+                    # (host-side state such as AdamW's step counts, non-contiguous views).
+                    on_device = [n for n, t in tensors.items() if t.is_cuda and t.is_contiguous()]
+                    copy_([tensors[n] for n in on_device], [self._buffers[n] for n in on_device])
+                    for name in tensors.keys() - set(on_device):
+                        self._buffers[name].copy_(tensors[name], non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+            else:
+                for name, t in tensors.items():
+                    self._buffers[name].copy_(t)
+                self._event = None
 
     def wait(self) -> float:
-        """Block until the copies are done; returns the seconds spent waiting."""
+        """Block until the copies are done (issuing them if no one has); returns the seconds spent."""
         t0 = time.perf_counter()
-        if self._event is not None:
-            self._event.synchronize()  # may run on the export thread and the step thread at once
+        self.issue()
+        event = self._event
+        if event is not None:
+            event.synchronize()  # may run on the export thread and the step thread at once
         return time.perf_counter() - t0
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
-        return dict(self._buffers)
+        return {name: self._buffers[name] for name in self._names}

@@ -22,11 +22,11 @@ from raypar.model import build_stage
 from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
-from raypar.runtime.comm import all_reduce_, connect_neighbours, exchange
+from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, exchange
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import load_state, state_tensors
+from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
 
@@ -114,10 +114,16 @@ class StageRuntime:
         self.act_dtype = next(self.model.parameters()).dtype
         self.clock = StepClock(device)
         self.snapshot = StateSnapshot()
+        c = cfg.checkpoint
+        if device.type == "cuda" and (c.every > 0 or c.ema_decay > 0):
+            # Pinned buffers for the first save, allocated while the first steps run.
+            self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
+                                               save_master=c.save_master))
         self._mb = -1
         self.set_program([])
         self._seeds: tuple[torch.Tensor, ...] | None = None
         connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
+        check_world(device, self.timeout)  # also connects the world's communicator before any step
 
     # -- one step --------------------------------------------------------------------
 
@@ -311,11 +317,29 @@ class StageRuntime:
 
     # -- state ---------------------------------------------------------------------------
 
+    def check_peers(self) -> None:
+        """Before a snapshot: raise unless every worker got through the step with working groups.
+
+        GPU workers keep their processes after NCCL errors (GPU_ENV in actors/worker_group.py),
+        so a collective the watchdog aborted may leave garbage without raising where it ran;
+        a snapshot of that state must not be saved.
+        """
+        check_world(self.device, self.timeout)
+
     def start_snapshot(self, step: int, save_optimizer: bool = True, save_master: bool = True) -> float:
-        """Begin copying this worker's checkpoint share to host memory; returns the stall."""
-        tensors = state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
-                                save_optimizer=save_optimizer, save_master=save_master)
-        return self.snapshot.start(step, tensors)
+        """Mark this worker's checkpoint share for copying to host memory; returns the stall.
+
+        Only the RNG states are taken here; the copies are issued beside the next step
+        (`StateSnapshot`), and its optimizer step waits for them.
+        """
+        t0 = time.perf_counter()
+
+        def collect() -> dict[str, torch.Tensor]:
+            return state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
+                                 save_optimizer=save_optimizer, save_master=save_master, with_rng=False)
+
+        self.snapshot.begin(step, collect, rng_states(self.rank, self.device), cuda=self.device.type == "cuda")
+        return time.perf_counter() - t0
 
     def load_checkpoint(self, read, names: set[str], same_grid: bool) -> list[str]:
         return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device)

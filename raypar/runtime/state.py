@@ -21,7 +21,8 @@ def writes(coord: Coord, name: str) -> bool:
 
 
 def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coord | None, rank: int,
-                  device: torch.device, save_optimizer: bool = True, save_master: bool = True) -> dict[str, torch.Tensor]:
+                  device: torch.device, save_optimizer: bool = True, save_master: bool = True,
+                  with_rng: bool = True) -> dict[str, torch.Tensor]:
     """This worker's share of the state (all it holds when coord is None), as live tensors."""
     out: dict[str, torch.Tensor] = {}
     for (name, param), master in zip(optimizer.named_params, optimizer.master):
@@ -35,9 +36,33 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
             for key in ADAM_STATE:
                 if key in state:
                     out[f"optim.{key}.{name}"] = state[key].detach().reshape(state[key].shape)
-    out[f"rng.rank{rank}.cpu"] = torch.get_rng_state()
+    if with_rng:
+        out.update(rng_states(rank, device))
+    return out
+
+
+def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generator states, as new CPU tensors."""
+    out = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
     if device.type == "cuda":
         out[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer: bool = True,
+                 save_master: bool = True) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of the parameter-shaped tensors `state_tensors` will return, known
+    before the first optimizer step creates AdamW's moments (shaped like the masters)."""
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for (name, param), master in zip(optimizer.named_params, optimizer.master):
+        if coord is not None and not writes(coord, name):
+            continue
+        out[name] = (param.shape, param.dtype)
+        if optimizer.mixed and save_master:
+            out[f"master.{name}"] = (master.shape, master.dtype)
+        if save_optimizer:
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{key}.{name}"] = (master.shape, master.dtype)
     return out
 
 

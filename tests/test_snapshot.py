@@ -1,0 +1,99 @@
+"""Host snapshots of a worker's state: buffers reserved ahead from the expected layout are
+the ones the first save copies into, and later saves reuse them."""
+import threading
+
+import torch
+from torch import nn
+
+from raypar.config import TrainConfig
+from raypar.optim import MasterOptimizer
+from raypar.runtime.snapshot import StateSnapshot
+from raypar.runtime.state import rng_states, state_layout, state_tensors
+from raypar.topology import Grid
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.a = nn.Linear(6, 5, dtype=dtype)
+        self.b = nn.Linear(5, 3, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def trained(dtype: torch.dtype) -> tuple[nn.Module, MasterOptimizer]:
+    torch.manual_seed(0)
+    model = TwoLayers(dtype)
+    opt = MasterOptimizer(model, TrainConfig(lr=1e-2, warmup_steps=0))
+    model(torch.randn(4, 6, dtype=dtype)).float().pow(2).mean().backward()
+    opt.step(0, total_norm=1.0)
+    return model, opt
+
+
+def layout_before_first_step(dtype: torch.dtype, **options):
+    torch.manual_seed(0)
+    model = TwoLayers(dtype)
+    return state_layout(MasterOptimizer(model, TrainConfig()), Grid(1, 1, 1).coord(0), **options)
+
+
+def test_layout_known_before_the_first_step_matches_the_state_after_it():
+    for dtype in (torch.bfloat16, torch.float32):
+        for options in ({}, {"save_optimizer": False}, {"save_master": False}):
+            model, opt = trained(dtype)
+            state = state_tensors(model, opt, Grid(1, 1, 1).coord(0), 0, torch.device("cpu"), **options)
+            expected = {n: (t.shape, t.dtype) for n, t in state.items()
+                        if not n.startswith(("rng.", "optim.step."))}
+            assert layout_before_first_step(dtype, **options) == expected, (dtype, options)
+
+
+def take(snap: StateSnapshot, step: int, model, opt, **options) -> dict[str, torch.Tensor]:
+    """A snapshot as a stage takes it; returns what it should hold (clones of the state now)."""
+    coord = Grid(1, 1, 1).coord(0)
+    collect = lambda: state_tensors(model, opt, coord, 0, torch.device("cpu"), with_rng=False, **options)  # noqa: E731
+    snap.begin(step, collect, rng_states(0, torch.device("cpu")), cuda=False)
+    return {n: t.clone() for n, t in state_tensors(model, opt, coord, 0, torch.device("cpu"), **options).items()}
+
+
+def test_reserved_buffers_are_used_and_kept_across_snapshots():
+    model, opt = trained(torch.bfloat16)
+    snap = StateSnapshot()
+    snap.reserve(state_layout(opt, Grid(1, 1, 1).coord(0)), pin=False)
+    expected = take(snap, 1, model, opt)
+    got = snap.host_tensors()
+    reserved = {n: b.data_ptr() for n, b in snap._buffers.items() if not n.startswith("rng.")}
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+    assert all(got[n].data_ptr() == reserved[n] for n in reserved)
+    # A weights-only snapshot (an EMA update) holds fewer tensors and leaves the others'
+    # buffers for the next full save.
+    weights = take(snap, 2, model, opt, save_optimizer=False, save_master=False)
+    assert snap.host_tensors().keys() == weights.keys()
+    take(snap, 3, model, opt)
+    snap.wait()
+    assert {n: b.data_ptr() for n, b in snap._buffers.items() if n in reserved} == reserved
+
+
+def test_copies_issued_by_the_export_or_the_next_optimizer_step_hold_the_marked_state():
+    model, opt = trained(torch.float32)
+    snap = StateSnapshot()
+    # Issued by the next step's optimizer (no export came first): before it writes.
+    expected = take(snap, 1, model, opt)
+    snap.wait()
+    model(torch.randn(4, 6)).pow(2).mean().backward()
+    opt.step(1, total_norm=1.0)
+    got = snap.host_tensors()
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+    # Issued by the export thread while the step thread waits to write.
+    expected = take(snap, 2, model, opt)
+    exported: dict = {}
+    thread = threading.Thread(target=lambda: exported.update(snap.host_tensors()))
+    thread.start()
+    snap.wait()
+    opt.step(2, total_norm=1.0)
+    thread.join()
+    for name, t in expected.items():
+        assert torch.equal(exported[name], t), name
+    assert not torch.equal(exported["a.weight"], model.a.weight.detach())  # the step did move on
