@@ -4,6 +4,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import ray
@@ -54,6 +55,10 @@ class StageWorker:
         # queued behind (the driver sends the next step before the last one returns) are
         # refused until `reset`, instead of waiting on peers that have left.
         self.failed: str | None = None
+        # Salvages this worker was reset for: `abort` and `reset` of one salvage run on
+        # different threads in either order, and a late abort must not hit the next plan.
+        self.salvage = 0
+        self._salvage_lock = threading.Lock()
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
@@ -151,16 +156,18 @@ class StageWorker:
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 
-    def reset(self) -> str:
+    def reset(self, salvage: int = 0) -> str:
         """Leave the process groups and drop the stage, keeping the process (and its CUDA
         context, imports and kernels) for the next plan's `setup`. Runs after the failed step
         has returned on this worker. Returns this worker's node id."""
         import gc
 
-        faulthandler.cancel_dump_traceback_later()
+        with self._salvage_lock:
+            faulthandler.cancel_dump_traceback_later()
+            self.failed = None
+            self.salvage = max(self.salvage, salvage)
         self.runtime = None
         self.program_version = 0
-        self.failed = None
         self._destroy_groups()
         gc.collect()
         if self.device.type == "cuda":
@@ -168,20 +175,23 @@ class StageWorker:
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="control")
-    def abort(self, dump_after_s: float | None = None) -> None:
+    def abort(self, salvage: int = 0, dump_after_s: float | None = None) -> None:
         """Break NCCL collectives stuck on a lost peer so that the step in flight returns, and
         refuse the steps queued behind it.
 
         Runs beside run_step. Gloo (CPU) needs no abort: a lost peer, or one whose step failed
         (`_break_groups`), closes its connections; a hung one runs into the collective timeout.
         """
-        self.failed = self.failed or "aborted by the driver after a failure"
-        if dump_after_s is not None:
-            # If `reset` has not come within dump_after_s, every thread's stack goes to this
-            # worker's log: where a survivor that is about to be replaced was stuck.
-            faulthandler.dump_traceback_later(dump_after_s, exit=False)
-        if self.device.type == "cuda":
-            self._abort_nccl()
+        with self._salvage_lock:
+            if salvage and salvage <= self.salvage:
+                return  # its salvage's reset already ran: the worker holds the next plan's groups now
+            self.failed = self.failed or "aborted by the driver after a failure"
+            if dump_after_s is not None:
+                # If `reset` has not come within dump_after_s, every thread's stack goes to this
+                # worker's log: where a survivor that is about to be replaced was stuck.
+                faulthandler.dump_traceback_later(dump_after_s, exit=False)
+            if self.device.type == "cuda":
+                self._abort_nccl()
 
     def _break_groups(self) -> None:
         """After a failed step: leave the groups so that peers waiting on this worker fail now.

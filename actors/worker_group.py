@@ -74,6 +74,7 @@ class WorkerGroup:
         # and slots whose worker is gone, as (slot, node id or None when unknown).
         self.survivors: list[tuple] = []
         self._idle: list[tuple] = []
+        self._salvages = 0  # numbers each salvage's abort and reset for the workers
         pg = self._reserve(grid.size)
         self.slots = [(pg, i) for i in range(grid.size)]
         try:
@@ -131,9 +132,11 @@ class WorkerGroup:
         # The grid's workers, and any kept before that a failed start did not place yet.
         candidates = [(rank, w, slot) for rank, (w, slot) in enumerate(zip(self.workers, self.slots))]
         candidates += [(rank, w, slot) for rank, w, slot, _ in self.survivors]
+        self._salvages += 1
         for _, w, _ in candidates:
-            w.abort.remote(0.8 * timeout)  # also refuses the steps already queued behind the failed one
-        refs = [w.reset.remote() for _, w, _ in candidates]
+            # Also refuses the steps already queued behind the failed one.
+            w.abort.remote(self._salvages, dump_after_s=0.8 * timeout)
+        refs = [w.reset.remote(self._salvages) for _, w, _ in candidates]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         ready = set(ready)
         survivors, idle = [], list(self._idle)

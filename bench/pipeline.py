@@ -102,10 +102,16 @@ def main() -> None:
         env["params"] = num_params(Transformer(cfg.model))
     env["config"] = args.config
     print(f"environment: {json.dumps(env)}", flush=True)
+    chosen = [(label, o) for label, o in (ROWS[:3] if args.quick else ROWS) if not args.only or args.only in label]
+    given = {o.split("=", 1)[0] for o in args.overrides}
+    for label, overrides in chosen:
+        clash = sorted(given & {o.split("=", 1)[0] for o in overrides})
+        if clash:
+            # The row's own setting would win and the run would silently measure something else.
+            ap.error(f"row {label!r} sets {', '.join(clash)} itself ({', '.join(overrides)}); "
+                     f"leave {'it' if len(clash) == 1 else 'them'} out of the overrides or pick other rows with --only")
     rows = []
-    for label, overrides in ROWS[:3] if args.quick else ROWS:
-        if args.only and args.only not in label:
-            continue
+    for label, overrides in chosen:
         rows.append(run_row(args.config, base, label, overrides, args.out))
         # After every row: a call cut short keeps the rows that finished.
         (args.out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))

@@ -248,7 +248,10 @@ def environment(args: argparse.Namespace, names: list[str]) -> dict:
         except Exception:  # noqa: BLE001 - informational only
             pass
         env["topology"] = _command(["nvidia-smi", "topo", "-m"])
-    env["commit"] = _command(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent.parent)
+    root = Path(__file__).resolve().parent.parent
+    env["commit"] = _command(["git", "rev-parse", "HEAD"], cwd=root)
+    if env["commit"] and _command(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root):
+        env["commit"] += " with uncommitted changes"  # the numbers are not that commit's alone
     return env
 
 
