@@ -1,6 +1,5 @@
 """Early release of activations: measured on real workers, against the simulator."""
 import pytest
-import torch
 
 from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
@@ -62,37 +61,3 @@ def test_one_f_one_b_keeps_min_p_minus_s_microbatches(pipeline):
             # few kept inputs are comparable to the transient p2p buffers).
             per_mb = fthenb[s].peak_activation_bytes / M
             assert ofob[s].peak_activation_bytes == pytest.approx(expected * per_mb, rel=0.25)
-
-
-class FakeSend:
-    """A posted send: done or not, and whether the runtime waited for it."""
-
-    def __init__(self, done: bool):
-        self.done, self.waited = done, False
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self) -> None:
-        self.waited = True
-
-
-def test_outputs_sent_without_waiting_are_freed_once_their_send_is_done():
-    """On NCCL a unit that only sends is not waited for where it is posted (the compute
-    stream would wait for the peer's receive); the outputs it carries are freed when it is."""
-    from datetime import timedelta
-    from types import SimpleNamespace
-
-    from raypar.runtime.stage import StageRuntime
-
-    done, pending = FakeSend(True), FakeSend(False)
-    outs = {mb: torch.ones(1000) for mb in range(3)}
-    runtime = SimpleNamespace(timeout=timedelta(seconds=1), _sending=[([done], [0]), ([pending], [1])],
-                              _to_release={0: outs[0], 1: outs[1], 2: outs[2]})
-    # mb 2 went out with a receive in its unit (waited for at once): free at the next check.
-    assert StageRuntime._retire_sends(runtime, wait=False) == 2
-    assert done.waited and not pending.waited
-    assert outs[0].untyped_storage().nbytes() == 0 and outs[2].untyped_storage().nbytes() == 0
-    assert outs[1].untyped_storage().nbytes() == 4000  # its send may still be reading it
-    assert StageRuntime._retire_sends(runtime, wait=True) == 1  # the end of the step waits for every send
-    assert pending.waited and outs[1].untyped_storage().nbytes() == 0 and runtime._sending == []

@@ -12,32 +12,18 @@ class CollectiveTimeout(RuntimeError):
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             timeout: timedelta) -> list | None:
-    """Post every send and receive of one comm unit as one batch.
+             timeout: timedelta) -> None:
+    """Post every send and receive of one comm unit as one batch, then wait for all.
 
     Posting a unit's sends and receives together is what keeps a schedule's paired
-    exchanges (e.g. 1F1B's send-forward/receive-backward) from deadlocking on NCCL. A unit
-    that receives is waited for here (what follows reads the buffers). A unit that only
-    sends is returned unwaited on NCCL: the caller passes it to `finish` before it frees or
-    reuses what was sent, and before the step ends. (Gloo sends are waited for here: their
-    work reports completion only once waited for, so a deferred send would hold its buffer
-    to the end of the step, and waiting costs the host no more there.)
+    exchanges (e.g. 1F1B's send-forward/receive-backward) from deadlocking on NCCL.
     """
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     if not ops:
-        return None
-    works = dist.batch_isend_irecv(ops)
-    if not recvs and sends[0][0].is_cuda:
-        return works
-    finish(works, timeout, f"p2p exchange with ranks {sorted({p for _, p in sends + recvs})}")
-    return None
-
-
-def finish(works: list, timeout: timedelta, what: str = "p2p send") -> None:
-    """Wait for posted p2p work (on NCCL: the current stream waits, the host does not)."""
-    for work in works:
-        _wait(work, timeout, what)
+        return
+    for work in dist.batch_isend_irecv(ops):
+        _wait(work, timeout, f"p2p exchange with ranks {sorted({p for _, p in sends + recvs})}")
 
 
 def connect_neighbours(prev: int | None, next_: int | None, device: torch.device, timeout: timedelta) -> None:

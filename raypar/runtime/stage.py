@@ -22,7 +22,7 @@ from raypar.model import build_stage
 from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
-from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, exchange, finish
+from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, exchange
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.snapshot import StateSnapshot
@@ -122,8 +122,6 @@ class StageRuntime:
         self._mb = -1
         self.set_program([])
         self._seeds: tuple[torch.Tensor, ...] | None = None
-        self._sending: list[tuple[list, list[int]]] = []  # sends not waited for yet, and the mbs they carry
-        self._to_release: dict[int, torch.Tensor] = {}  # outputs to free once their send is done
         connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
         check_world(device, self.timeout)  # also connects the world's communicator before any step
 
@@ -165,8 +163,6 @@ class StageRuntime:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.tracker.clear()
         self.tracker.reset_peak()
-        self._sending.clear()  # left over only by a step that failed
-        self._to_release.clear()
         for moe in self.moe_layers.values():
             moe.stats.reset()
             # The step loss is the mean of the micro-batch losses: aux losses scale alike.
@@ -188,7 +184,8 @@ class StageRuntime:
             elif head.op == Op.RELEASE_OUT:
                 out = outputs[head.mb]
                 if _releasable(out):
-                    self._to_release[head.mb] = out
+                    out.untyped_storage().resize_(0)
+                    released += 1
             elif head.op == Op.RELEASE_IN:
                 self._forget(head.mb, inputs, outputs)
             elif head.op == Op.REDUCE_GRAD:
@@ -199,7 +196,6 @@ class StageRuntime:
                 lr = self.optimizer.step(step, grad_norm)
             else:
                 raise ValueError(f"stage {self.stage}: cannot execute {head}")
-            released += self._retire_sends(wait=False)
             end = self.clock.mark()
             marks.append((begin, end))
             if head.op == Op.B:
@@ -207,7 +203,6 @@ class StageRuntime:
             self.tracker.sample()
             peak_live = max(peak_live, self.tracker.live_microbatches())
 
-        released += self._retire_sends(wait=True)
         self.clock.finish()
         times = [t for b, e in marks for t in (self.clock.seconds(b), self.clock.seconds(e))]
         compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units) if is_compute)
@@ -273,28 +268,6 @@ class StageRuntime:
             torch.autograd.backward(out, grad_out[mb])
         self.tracker.backward_done(mb)
 
-    def _retire_sends(self, wait: bool) -> int:
-        """Finish the sends that are done (all of them with `wait`) and free the outputs
-        released behind them; returns how many outputs were freed.
-
-        A unit that only sends is not waited for where it is posted: waiting would make this
-        stage's compute stream wait until the peer has received, which it does only when it
-        gets to the matching receive. An output sent that way is freed once its send is done.
-        """
-        freed = 0
-        still: list[tuple[list, list[int]]] = []
-        for works, mbs in self._sending:
-            if wait or all(w.is_completed() for w in works):
-                finish(works, self.timeout)
-            else:
-                still.append((works, mbs))
-        self._sending = still
-        pending = {mb for _, mbs in still for mb in mbs}
-        for mb in [mb for mb in self._to_release if mb not in pending]:
-            self._to_release.pop(mb).untyped_storage().resize_(0)
-            freed += 1
-        return freed
-
     def _exchange(self, unit: tuple[Action, ...], inputs, outputs, grad_out) -> None:
         sends, recvs = [], []
         for a in unit:
@@ -311,9 +284,7 @@ class StageRuntime:
                 buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
                 grad_out[a.mb] = buf
                 recvs.append((buf, self.groups.next_rank))
-        posted = exchange(sends, recvs, self.timeout)
-        if posted:
-            self._sending.append((posted, [a.mb for a in unit if a.op == Op.SEND_F]))
+        exchange(sends, recvs, self.timeout)
         for a in unit:
             if a.op == Op.RECV_F:
                 inputs[a.mb].requires_grad_(True)
