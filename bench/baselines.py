@@ -43,21 +43,50 @@ def run(ctx: "Context") -> list[dict]:
     cfgs = {s: ctx.config([f"parallel.schedule={s}", "runtime.release=true"], f"raypar {s}") for s, _ in schedules}
     cfg = cfgs[schedules[0][0]]
     data_path = ctx.corpus(cfg)  # what the Trainer generates for itself, byte for byte
-    rows += ctx.attempt("single device", lambda: single_device_row(cfg, data_path, ctx.cpu), min_time_s=15)
-    for schedule, _ in schedules:
-        label = f"raypar {schedule}"
-
-        def raypar_row(label=label, c=cfgs[schedule]) -> dict:
-            summary, reused = ctx.fit(c, label)
-            return ctx.row(label, c, summary, reused, schedule=c.parallel.schedule)
-
-        rows += ctx.attempt(label, raypar_row)
-    # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
     names = [n for _, n in schedules]
-    rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
-                        lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
+    # With --repeats the launches interleave (raypar, torch, raypar, ...), so a drift of the
+    # machine during the suite hits both sides alike.
+    for launch in range(ctx.repeats):
+        rows += ctx.attempt("single device", lambda: single_device_row(cfg, data_path, ctx.cpu), min_time_s=15)
+        for schedule, _ in schedules:
+            label = f"raypar {schedule}"
+
+            def raypar_row(label=label, c=cfgs[schedule]) -> dict:
+                summary, reused = ctx.fit(c, label, fresh=launch > 0)
+                return ctx.row(label, c, summary, reused, schedule=c.parallel.schedule)
+
+            rows += ctx.attempt(label, raypar_row)
+        # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
+        rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
+                            lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
+    if ctx.repeats > 1:
+        rows = combine_launches(rows)
     compare(rows, cfg)
     return rows
+
+
+def combine_launches(rows: list[dict]) -> list[dict]:
+    """One row per label from its launches: the median launch's row by tokens/s (the lower
+    middle one for an even count), with every launch's tokens/s and the spread
+    (max - min) / median."""
+    import statistics
+
+    by_label: dict[str, list[dict]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], []).append(r)
+    combined = []
+    for label, runs in by_label.items():
+        measured = sorted((r for r in runs if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+        if not measured:
+            combined.append(runs[0])  # every launch failed or was skipped: keep the first reason
+            continue
+        rates = [r["tokens_per_s"] for r in measured]
+        median = statistics.median(rates)
+        row = dict(measured[(len(measured) - 1) // 2])  # a real launch, not an average of launches
+        row.update(launches=len(runs), launches_measured=len(measured), tokens_per_s_launches=rates,
+                   tokens_per_s_median=median, spread=(rates[-1] - rates[0]) / median)
+        combined.append(row)
+    return combined
 
 
 def compare(rows: list[dict], cfg: "Config") -> None:
@@ -278,6 +307,8 @@ def table(rows: list[dict]) -> str:
         label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
         if r.get("kind") == "single":
             label += f"; ideal 2-stage {r['ideal_2_stage_tokens_per_s']:,.0f} tokens/s" if "ideal_2_stage_tokens_per_s" in r else ""
+        if r.get("launches_measured", 1) > 1:
+            label += f"; median of {r['launches_measured']} launches, spread {r['spread']:.0%}"
         lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
                      f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
                      f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_torch', '{:.2f}')} | "

@@ -5,6 +5,7 @@
     python -m bench.run --suite moe,elastic --out DIR       # named suites
     python -m bench.run --suite all --cpu --steps 2 --out DIR   # tiny models on CPU (the tests)
     python -m bench.run --suite scale --out DIR             # 4 or 8 GPUs (bench/scale.py), within ~8.5 minutes
+    python -m bench.run --suite baselines --repeats 3 --out DIR  # each row launched 3 times: median, spread
 
 Suites: kernels, pipeline (bench/pipeline.py's rows), moe, checkpoint, elastic, baselines; and scale
 (bench/scale.py, for 4-8 GPUs: not part of all or quick, which are for 2 GPUs). Writes
@@ -89,6 +90,7 @@ class Context:
     cpu: bool
     steps: int | None
     quick: bool
+    repeats: int = 1  # launches of each row of the baselines suite (median and spread when > 1)
     suite: str = ""
     deadline: float = math.inf  # time.monotonic() by which this suite should be done
     _runs: dict[str, tuple[str, RunSummary]] = field(default_factory=dict)  # finished plain runs, by config
@@ -137,13 +139,13 @@ class Context:
         trainer.bench_stop = stop  # read by row(): a run cut short says so
         return trainer
 
-    def fit(self, cfg: Config, label: str) -> tuple[RunSummary, str | None]:
-        """A plain run; an identical one already done by another suite is reused.
+    def fit(self, cfg: Config, label: str, fresh: bool = False) -> tuple[RunSummary, str | None]:
+        """A plain run; an identical one already done by another suite is reused (unless `fresh`).
 
         Returns the summary and, when reused, the suite that ran it.
         """
         key = _run_key(cfg)
-        if key in self._runs:
+        if key in self._runs and not fresh:
             return self._runs[key][1], self._runs[key][0]
         trainer = self.trainer(cfg, label)
         summary = trainer.fit()
@@ -339,7 +341,11 @@ def main() -> int:
                     help="seconds for all suites (GPU default: 150 for quick, 420 for scale, else 510; none on CPU)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="launch each baselines row this many times, interleaved; rows report the median and spread")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: give 1 or more launches per row")
     names = suite_names(args.suite)
     if args.budget_s is None and not args.cpu:
         args.budget_s = BUDGET_S.get(args.suite, BUDGET_S["other"])
@@ -352,7 +358,8 @@ def main() -> int:
     start_ray(args.cpu)
     env = environment(args, names)
     print(f"environment: {json.dumps({k: v for k, v in env.items() if k != 'topology'})}", flush=True)
-    ctx = Context(work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick")
+    ctx = Context(work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick",
+                  repeats=args.repeats)
     results: dict[str, dict] = {}
     try:
         for i, name in enumerate(names):

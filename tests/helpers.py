@@ -49,10 +49,10 @@ def run_config(tmp_path, name: str, grid: tuple[int, int, int], steps: int, mode
     )
 
 
-def run_bench_cpu(suite: str, out_dir, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
-    """`python -m bench.run --suite <suite> --cpu --steps 2`; its output and results.json."""
+def run_bench_cpu(suite: str, out_dir, timeout: int, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m bench.run --suite <suite> --cpu --steps 2 [args]`; its output and results.json."""
     out = subprocess.run([sys.executable, "-m", "bench.run", "--suite", suite, "--cpu", "--steps", "2",
-                          "--out", str(out_dir)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                          "--out", str(out_dir), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out, json.loads((Path(out_dir) / "results.json").read_text())
 

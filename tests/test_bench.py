@@ -73,3 +73,20 @@ def test_every_suite_runs_on_cpu(tmp_path):
         assert f"## {name}:" in tail and f"## {name}:" in (tmp_path / "results.md").read_text()
     assert "| ep=2, grid (1,1,2) (4 mb) |" in tail and "| raypar 1f1b (8 mb) |" in tail
 
+
+
+@pytest.mark.timeout(300)
+def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
+    """Launches of one config vary (BENCHMARKS.md): with --repeats each row is the median
+    launch, with every launch's rate and the spread, and the ratios use those rows."""
+    out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2")
+    rows = results["suites"]["baselines"]["rows"]
+    assert len({r["label"] for r in rows}) == len(rows) == 5
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["launches"] == r["launches_measured"] == 2 and len(r["tokens_per_s_launches"]) == 2
+        assert min(r["tokens_per_s_launches"]) == r["tokens_per_s"] and r["spread"] >= 0
+    ours = next(r for r in rows if r["label"] == "raypar 1f1b")
+    theirs = next(r for r in rows if r["label"] == "torch.distributed.pipelining Schedule1F1B")
+    assert ours["vs_torch"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    assert "median of 2 launches" in out.stdout
