@@ -55,7 +55,7 @@ class StageWorker:
         # queued behind (the driver sends the next step before the last one returns) are
         # refused until `reset`, instead of waiting on peers that have left.
         self.failed: str | None = None
-        # Salvages this worker was reset for: `abort` and `reset` of one salvage run on
+        # The last salvage this worker was reset for: `abort` and `reset` of one salvage run on
         # different threads in either order, and a late abort must not hit the next plan.
         self.salvage = 0
         self._salvage_lock = threading.Lock()
@@ -105,8 +105,6 @@ class StageWorker:
         try:
             report = self.runtime.run_step(step, sample_ids, capture_grads)
             if snapshot is not None:
-                # The snapshot is of this step's result: only take it if every peer got through it.
-                self.runtime.check_peers()
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
         except BaseException as e:
             self.failed = f"step {step} failed ({type(e).__name__})"
@@ -125,12 +123,9 @@ class StageWorker:
         return to_wire(self.runtime.snapshot.host_tensors())
 
     def load_checkpoint(self, path: str, same_grid: bool) -> dict:
-        """Load this worker's share of checkpoint `path`; returns what it read (bytes, seconds)."""
-        import time
-
+        """Load this worker's share of checkpoint `path`; returns how many bytes it read."""
         from raypar.checkpoint import CheckpointReader
 
-        t0 = time.perf_counter()
         read_bytes = 0
         with CheckpointReader(path) as reader:
             def read(*args, **kwargs) -> torch.Tensor:
@@ -141,8 +136,7 @@ class StageWorker:
 
             names = set(reader.names())
             missing = self.runtime.load_checkpoint(read, names, same_grid)
-        return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": read_bytes,
-                "seconds": time.perf_counter() - t0}
+        return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": read_bytes}
 
     def owned_weight_names(self) -> list[str]:
         """The weights this worker writes to checkpoints (one writer per replicated tensor)."""
@@ -156,7 +150,7 @@ class StageWorker:
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 
-    def reset(self, salvage: int = 0) -> str:
+    def reset(self, salvage: int) -> str:
         """Leave the process groups and drop the stage, keeping the process (and its CUDA
         context, imports and kernels) for the next plan's `setup`. Runs after the failed step
         has returned on this worker. Returns this worker's node id."""
@@ -165,7 +159,7 @@ class StageWorker:
         with self._salvage_lock:
             faulthandler.cancel_dump_traceback_later()
             self.failed = None
-            self.salvage = max(self.salvage, salvage)
+            self.salvage = salvage
         self.runtime = None
         self.program_version = 0
         self._destroy_groups()
@@ -175,7 +169,7 @@ class StageWorker:
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="control")
-    def abort(self, salvage: int = 0, dump_after_s: float | None = None) -> None:
+    def abort(self, salvage: int, dump_after_s: float | None = None) -> None:
         """Break NCCL collectives stuck on a lost peer so that the step in flight returns, and
         refuse the steps queued behind it.
 
@@ -183,7 +177,7 @@ class StageWorker:
         (`_break_groups`), closes its connections; a hung one runs into the collective timeout.
         """
         with self._salvage_lock:
-            if salvage and salvage <= self.salvage:
+            if salvage <= self.salvage:
                 return  # its salvage's reset already ran: the worker holds the next plan's groups now
             self.failed = self.failed or "aborted by the driver after a failure"
             if dump_after_s is not None:

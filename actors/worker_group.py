@@ -27,7 +27,7 @@ from .stage_worker import StageWorker
 # but keep the process. torch's default (3) ends the process, which turns every worker that
 # shared a collective with a lost one into a lost one too, so none survive to be kept.
 # Steps that ran into such an abort fail at their next collective; a snapshot is taken
-# only after a check over the world (`StageRuntime.check_peers`).
+# only after a check over the world (`StageRuntime.start_snapshot`).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
@@ -46,7 +46,6 @@ class IssuedStep:
 
     step: int
     refs: list  # one ObjectRef per worker, by rank
-    program_version: int
 
 
 class WorkerGroup:
@@ -261,7 +260,7 @@ class WorkerGroup:
         issued while the last one runs starts the moment that one ends."""
         refs = [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot)
                 for r, w in enumerate(self.workers)]
-        return IssuedStep(step, refs, self.program_version)
+        return IssuedStep(step, refs)
 
     def collect_step(self, issued: "IssuedStep") -> list[StepReport]:
         """Every worker's report of an issued step (raises the first failure, or StepTimeout)."""

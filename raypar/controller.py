@@ -48,7 +48,6 @@ class _InFlight:
     save: bool  # its snapshot becomes a checkpoint
     ema: bool  # its snapshot updates the EMA
     stall: float  # seconds the loop waited on checkpointing before sending it
-    issued_at: float  # time.time()
 
 
 class Controller:
@@ -61,8 +60,7 @@ class Controller:
         self._next_plan: Plan | None = None
         self._grow_to: Plan | None = None
         self._max_step_done = 0
-        self._step_issued: float | None = None  # when the step being waited for could start (time.time())
-        self._last_done_at = 0.0  # time.time() when the last step's reports came back
+        self._step_started: float | None = None  # when the step being waited for could start (perf_counter)
         self._committed = 0  # saves seen finished (committed or failed) in this RUNNING stretch
         self._stop = False
         self._stop_save = False
@@ -149,9 +147,8 @@ class Controller:
             if not inflight:
                 break
             entry = inflight.popleft()
-            self._step_issued = max(entry.issued_at, self._last_done_at)
+            self._step_started = t.step_started(entry.pending)
             record = t.finish_step(entry.pending, events)
-            self._last_done_at = time.time()
             consumed = record.consumed_samples
             if self._after_step(record, entry, records, metrics, events, overlapped=bool(inflight)) \
                     and outcome == "finished":
@@ -189,8 +186,7 @@ class Controller:
             # The last snapshot's buffers are reused: it must have left the workers.
             stall += t.group.wait_exports(t.cfg.checkpoint.timeout_s)
             snapshot = t.saver.snapshot_options() if save else {"save_optimizer": False, "save_master": False}
-        issued_at = time.time()
-        return _InFlight(t.issue_step(step, order, consumed, snapshot=snapshot), save, ema, stall, issued_at)
+        return _InFlight(t.issue_step(step, order, consumed, snapshot=snapshot), save, ema, stall)
 
     def _after_step(self, record: StepRecord, entry: _InFlight, records: list, metrics: IO[str],
                     events: IO[str], overlapped: bool) -> bool:
@@ -330,6 +326,7 @@ class Controller:
         """Tear down after a failure; returns what to resume from. Raises when out of tries."""
         t = self.trainer
         detected = time.time()
+        detection_s = time.perf_counter() - (self._step_started or time.perf_counter())
         elastic = t.cfg.elastic
         if not self._is_worker_failure(error):
             raise error  # a bug in a worker, not a lost one: recovering would only repeat it
@@ -357,7 +354,7 @@ class Controller:
             self._recovery["attempts"] += 1
         else:
             self._recovery = {"error": type(error).__name__, "failed_grid": str(t.grid), "detected_at": detected,
-                              "detection_s": detected - (self._step_issued or detected),
+                              "detection_s": detection_s,
                               "restart": t.restarts, "attempts": 1, "steps_done": self._max_step_done,
                               "salvage_s": salvage_s}
         self.states.to(State.PLANNING)

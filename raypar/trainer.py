@@ -131,10 +131,13 @@ class RunSummary:
 class PendingStep:
     """A step sent to the workers whose reports the driver has not read yet."""
 
-    step: int
     consumed: int  # samples consumed before it
     issued: float  # time.perf_counter() when it was sent
     issued_step: IssuedStep
+
+    @property
+    def step(self) -> int:
+        return self.issued_step.step
 
 
 class Trainer:
@@ -162,7 +165,7 @@ class Trainer:
         self.saver = Saver(cfg, self.run_dir, self.grid, self.log,
                            on_result=lambda r: [c.on_checkpoint(self, r) for c in self.callbacks])
         self.start_step = 0
-        self.loaded: list[dict] = []  # per worker, what the last resume read: rank, bytes, seconds
+        self.loaded: list[dict] = []  # per worker, what the last resume read: rank, bytes
         self.base_cfg = cfg  # the configured grid; elastic re-plans derive from it
         self.configured_grid = self.grid
         self.recoveries: list[dict] = []
@@ -320,16 +323,18 @@ class Trainer:
         ids = [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
         # The workers hold the programs (set_programs at start and after a re-plan): a step
         # sends only its number, the program version and the sample ids.
-        return PendingStep(step, consumed, issued, self.group.issue_step(step, ids, snapshot=snapshot))
+        return PendingStep(consumed, issued, self.group.issue_step(step, ids, snapshot=snapshot))
+
+    def step_started(self, pending: PendingStep) -> float:
+        """When the workers could start `pending` (time.perf_counter()): its issue, or the end
+        of the step before it when it was queued behind that one."""
+        return max(pending.issued, self._last_step_done)
 
     def finish_step(self, pending: PendingStep, events_out=None) -> StepRecord:
-        """Wait for an issued step and make its record.
-
-        The step's time runs from when the workers could start it (its issue, or the end of
-        the step before it when it was queued behind that one) to when its reports are back.
-        """
+        """Wait for an issued step and make its record; its time runs from `step_started`
+        to when its reports are back."""
         cfg, grid, step, consumed = self.cfg, self.grid, pending.step, pending.consumed
-        t0 = max(pending.issued, self._last_step_done)
+        t0 = self.step_started(pending)
         reports = self.group.collect_step(pending.issued_step)
         self._last_step_done = time.perf_counter()
         step_time = self._last_step_done - t0

@@ -317,22 +317,17 @@ class StageRuntime:
 
     # -- state ---------------------------------------------------------------------------
 
-    def check_peers(self) -> None:
-        """Before a snapshot: raise unless every worker got through the step with working groups.
-
-        GPU workers keep their processes after NCCL errors (GPU_ENV in actors/worker_group.py),
-        so a collective the watchdog aborted may leave garbage without raising where it ran;
-        a snapshot of that state must not be saved.
-        """
-        check_world(self.device, self.timeout)
-
     def start_snapshot(self, step: int, save_optimizer: bool = True, save_master: bool = True) -> float:
         """Mark this worker's checkpoint share for copying to host memory; returns the stall.
 
-        Only the RNG states are taken here; the copies are issued beside the next step
+        Every worker first checks its peers over the world: GPU workers keep their processes
+        after NCCL errors (GPU_ENV in actors/worker_group.py), so a collective the watchdog
+        aborted may leave garbage without raising where it ran, and that must not be saved.
+        Then only the RNG states are taken; the copies are issued beside the next step
         (`StateSnapshot`), and its optimizer step waits for them.
         """
         t0 = time.perf_counter()
+        check_world(self.device, self.timeout)
 
         def collect() -> dict[str, torch.Tensor]:
             return state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,

@@ -20,14 +20,19 @@ def writes(coord: Coord, name: str) -> bool:
     return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name))
 
 
+def _written(optimizer: MasterOptimizer, coord: Coord | None):
+    """(name, parameter, fp32 master) of each parameter this worker writes (all when coord is None)."""
+    for (name, param), master in zip(optimizer.named_params, optimizer.master):
+        if coord is None or writes(coord, name):
+            yield name, param, master
+
+
 def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coord | None, rank: int,
                   device: torch.device, save_optimizer: bool = True, save_master: bool = True,
                   with_rng: bool = True) -> dict[str, torch.Tensor]:
     """This worker's share of the state (all it holds when coord is None), as live tensors."""
     out: dict[str, torch.Tensor] = {}
-    for (name, param), master in zip(optimizer.named_params, optimizer.master):
-        if coord is not None and not writes(coord, name):
-            continue
+    for name, param, master in _written(optimizer, coord):
         out[name] = param.detach()
         if optimizer.mixed and save_master:
             out[f"master.{name}"] = master.detach()
@@ -54,9 +59,7 @@ def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer
     """Shape and dtype of the parameter-shaped tensors `state_tensors` will return, known
     before the first optimizer step creates AdamW's moments (shaped like the masters)."""
     out: dict[str, tuple[torch.Size, torch.dtype]] = {}
-    for (name, param), master in zip(optimizer.named_params, optimizer.master):
-        if coord is not None and not writes(coord, name):
-            continue
+    for name, param, master in _written(optimizer, coord):
         out[name] = (param.shape, param.dtype)
         if optimizer.mixed and save_master:
             out[f"master.{name}"] = (master.shape, master.dtype)
