@@ -1,5 +1,8 @@
 """Pipeline baselines on the same model, micro-batches and data as raypar's pp=2 rows.
 
+First, what one micro-batch costs each stage alone on one device (GPU and host time);
+then:
+
 (a) the whole model on one device with gradient accumulation over the same micro-batches
     (one process, no Ray): a 2-stage pipeline's ideal is 2 x that x (1 - bubble);
 (b) torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B) in 2 spawned
@@ -30,7 +33,10 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "tokens/s over the steps after the first, each timed from the end of the step before (its batch's "
          "loading included), the slower stage's for torch; ideal 2-stage = 2 x single device x (1 - (p-1)/(m+p-1)); "
          "on CPU every process or worker gets one thread, so one 'device' is one core. "
-         "raypar / torch: raypar's tokens/s over torch.distributed.pipelining's for the same schedule.")
+         "raypar / torch: raypar's tokens/s over torch.distributed.pipelining's for the same schedule. "
+         "Stage costs: one micro-batch through each stage alone, the GPU's time (host let ahead) and the host's "
+         "time to issue it; when they are close, steps go at the host's speed. Breakdown: from each raypar run's "
+         "events.jsonl; compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -44,6 +50,7 @@ def run(ctx: "Context") -> list[dict]:
     cfg = cfgs[schedules[0][0]]
     data_path = ctx.corpus(cfg)  # what the Trainer generates for itself, byte for byte
     names = [n for _, n in schedules]
+    rows += ctx.attempt("stage costs", lambda: stage_cost_row(cfg, ctx.cpu), min_time_s=15)
     # With --repeats the launches interleave (raypar, torch, raypar, ...), so a drift of the
     # machine during the suite hits both sides alike.
     for launch in range(ctx.repeats):
@@ -53,7 +60,8 @@ def run(ctx: "Context") -> list[dict]:
 
             def raypar_row(label=label, c=cfgs[schedule]) -> dict:
                 summary, reused = ctx.fit(c, label, fresh=launch > 0)
-                return ctx.row(label, c, summary, reused, schedule=c.parallel.schedule)
+                return ctx.row(label, c, summary, reused, schedule=c.parallel.schedule,
+                               breakdown=step_breakdown(c.runtime.run_dir))
 
             rows += ctx.attempt(label, raypar_row)
         # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
@@ -98,6 +106,13 @@ def compare(rows: list[dict], cfg: "Config") -> None:
             continue
         r["vs_single_device"] = r["tokens_per_s"] / single["tokens_per_s"]
         r["vs_ideal_2_stage"] = r["tokens_per_s"] / (2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1)))
+    costs = next((r for r in rows if r.get("kind") == "stage_costs" and "gpu_ms" in r), None)
+    for r in rows:
+        if costs is not None and r.get("breakdown"):
+            # Compute units' spans against the same work alone: above 1, the GPU waited inside them.
+            for stage in r["breakdown"]:
+                stage["compute_vs_alone"] = ((stage["forward_ms"] + stage["backward_ms"])
+                                             / (m * costs["gpu_ms"][stage["stage"]]))
     if single is not None:
         single["ideal_2_stage_tokens_per_s"] = 2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1))
     for r in rows:
@@ -160,6 +175,114 @@ def _rates(times: list[float], cfg: "Config") -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def stage_cost_row(cfg: "Config", cpu: bool) -> dict:
+    """One micro-batch's forward + backward through each pp=2 stage alone on one device: the
+    GPU's time, and the host's time to issue it.
+
+    The GPU time is taken with the host far ahead (a sleep kernel queued first), so it is the
+    kernels' own time; when the host needs about as long to issue them, a step is bound by
+    the host's speed rather than the GPU's.
+    """
+    from raypar.kernels import sample_seeds
+    from raypar.model import build_stage
+
+    device = torch.device("cpu" if cpu or not torch.cuda.is_available() else "cuda", 0)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as one stage worker has
+    b = cfg.train.global_batch_size // cfg.parallel.microbatches
+    t = cfg.data.seq_len
+    gpu_ms, host_ms = [], []
+    try:
+        for stage in range(2):
+            model = build_stage(cfg.model, stage, 2, cfg.parallel.layers_per_stage, seed=cfg.train.seed, device=device)
+            tokens = torch.randint(0, cfg.model.vocab_size, (b, t), device=device)
+            x = torch.randn(b, t, cfg.model.dim, device=device, dtype=next(model.parameters()).dtype)
+            seeds = sample_seeds(cfg.train.seed, 0, list(range(b)), device) if cfg.model.dropout else None
+            for _ in range(2):
+                _forward_backward(model, stage, tokens, x, seeds)
+            gpu, host = [], []
+            for _ in range(3):
+                _sync(device)
+                if device.type == "cuda":
+                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time for the host to get ahead
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                _forward_backward(model, stage, tokens, x, seeds)
+                host.append(time.perf_counter() - t0)
+                if device.type == "cuda":
+                    end.record()
+                    end.synchronize()
+                    gpu.append(start.elapsed_time(end) / 1000)
+                else:
+                    gpu.append(host[-1])
+            gpu_ms.append(1000 * sorted(gpu)[1])
+            host_ms.append(1000 * sorted(host)[1])
+            del model
+    finally:
+        torch.set_num_threads(threads)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"label": f"one micro-batch ({b} x {t} tokens), forward + backward per stage, alone on one device",
+            "kind": "stage_costs", "device": str(device), "gpu_ms": gpu_ms, "host_ms": host_ms}
+
+
+def _forward_backward(model: torch.nn.Module, stage: int, tokens: torch.Tensor, hidden: torch.Tensor,
+                      seeds: torch.Tensor | None) -> None:
+    if stage == 0:
+        out = model(tokens, None, seeds)
+        out.backward(torch.ones_like(out))
+    else:
+        model(hidden.detach().requires_grad_(), tokens, seeds).backward()
+
+
+def step_breakdown(run_dir: str) -> list[dict]:
+    """Where a raypar run's steps went, per stage: mean ms per step over the steps after the
+    first, from the run's events.jsonl (each program unit's span on the device).
+
+    forward, backward: compute units; window idle: the rest of the span from the stage's first
+    unit to its last backward (exchanges and waits for the other stage, the bubble);
+    gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
+    backward) and STEP; between steps: from the end of one step's last unit to the next
+    step's first (the step's return, the next call, loading its batch).
+    """
+    import json
+    from collections import defaultdict
+    from pathlib import Path
+
+    from raypar.stats import is_compute
+
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    with open(Path(run_dir) / "events.jsonl") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                by_rank[record["rank"]].append(record)
+    sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for records in by_rank.values():
+        records.sort(key=lambda r: r["step"])
+        previous_end = None
+        for i, r in enumerate(records):
+            events = r["events"]
+            span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
+            first, last = min(b for _, b, _ in events), max(e for _, _, e in events)
+            last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
+            if i > 0:  # the first step pays for warm-up
+                into = sums[r["pp"]]
+                into["forward_ms"].append(span(lambda label: is_compute(label, "F")))
+                into["backward_ms"].append(span(lambda label: is_compute(label, "B")))
+                into["window_idle_ms"].append(1000 * (last_backward - first) - into["forward_ms"][-1]
+                                              - into["backward_ms"][-1])
+                into["grad_norm_ms"].append(span(lambda label: label == "REDUCE_GRAD"))
+                into["optimizer_ms"].append(span(lambda label: label == "STEP"))
+                if previous_end is not None:
+                    into["between_steps_ms"].append(1000 * (first - previous_end))
+            previous_end = last
+    return [{"stage": stage, **{k: sum(v) / len(v) for k, v in sorted(fields.items())}}
+            for stage, fields in sorted(sums.items())]
 
 
 # -- (b) torch.distributed.pipelining ----------------------------------------------------------
@@ -304,6 +427,11 @@ def table(rows: list[dict]) -> str:
     lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
              "final loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("kind") == "stage_costs":
+            if "gpu_ms" in r:
+                lines.append(f"| {r['label']}: GPU {' / '.join(f'{x:.1f}' for x in r['gpu_ms'])} ms, host to issue it "
+                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | |")
+            continue
         label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
         if r.get("kind") == "single":
             label += f"; ideal 2-stage {r['ideal_2_stage_tokens_per_s']:,.0f} tokens/s" if "ideal_2_stage_tokens_per_s" in r else ""
@@ -313,4 +441,15 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
                      f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_torch', '{:.2f}')} | "
                      f"{fmt(r, 'final_loss', '{:.4f}')} |")
+    broken = [r for r in rows if r.get("breakdown")]
+    if broken:
+        lines += ["", "Where raypar's step goes, per stage (ms per step, mean over the steps after the first):", "",
+                  "| run | stage | forward | backward | compute vs alone | window idle | gradient norm | optimizer | "
+                  "between steps |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in broken:
+            for b in r["breakdown"]:
+                lines.append(f"| {r['label']} | {b['stage']} | {b['forward_ms']:.1f} | {b['backward_ms']:.1f} | "
+                             f"{fmt(b, 'compute_vs_alone', '{:.2f}')} | {b['window_idle_ms']:.1f} | "
+                             f"{b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
+                             f"{fmt(b, 'between_steps_ms', '{:.2f}')} |")
     return "\n".join(lines)

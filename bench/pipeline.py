@@ -28,7 +28,7 @@ ROWS = [
     ("fthenb, no release", ["parallel.schedule=fthenb", "runtime.release=false"]),
     ("fthenb, recompute=block, release", ["parallel.schedule=fthenb", "runtime.release=true", "runtime.recompute=block"]),
     ("fthenb, recompute=block, no release", ["parallel.schedule=fthenb", "runtime.release=false", "runtime.recompute=block"]),
-    ("1f1b, 32 micro-batches", ["parallel.schedule=1f1b", "parallel.microbatches=32", "train.global_batch_size=32"]),
+    ("1f1b, 32 micro-batches", ["parallel.schedule=1f1b", "parallel.microbatches=32", "train.global_batch_size=128"]),
 ]
 
 TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=64",

@@ -8,12 +8,13 @@ from raypar.schedule import Action, Prepared, simulate
 from raypar.topology import Grid
 
 
-def _is_compute(label: str, kind: str) -> bool:
+def is_compute(label: str, kind: str) -> bool:
+    """Whether an event label (see `unit_labels`) is a forward ("F") or backward ("B") unit."""
     return label.startswith(kind) and label[1:].isdigit()
 
 
 def mean_durations(reports: list[StepReport], kind: str) -> float:
-    d = [e - b for r in reports for label, b, e in r.events if _is_compute(label, kind)]
+    d = [e - b for r in reports for label, b, e in r.events if is_compute(label, kind)]
     return fmean(d) if d else 0.0
 
 

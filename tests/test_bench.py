@@ -81,6 +81,9 @@ def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
     launch, with every launch's rate and the spread, and the ratios use those rows."""
     out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2")
     rows = results["suites"]["baselines"]["rows"]
+    costs = [r for r in rows if r.get("kind") == "stage_costs"]
+    assert len(costs) == 1 and len(costs[0]["gpu_ms"]) == len(costs[0]["host_ms"]) == 2
+    rows = [r for r in rows if r.get("kind") != "stage_costs"]
     assert len({r["label"] for r in rows}) == len(rows) == 5
     for r in rows:
         assert "error" not in r and "skipped" not in r, r
@@ -90,3 +93,11 @@ def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
     theirs = next(r for r in rows if r["label"] == "torch.distributed.pipelining Schedule1F1B")
     assert ours["vs_torch"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
     assert "median of 2 launches" in out.stdout
+    # Where the step went, per stage, from the run's events: the parts fit inside the step.
+    step_ms = 1000 * ours["step_time_s"]
+    for b in ours["breakdown"]:
+        parts = [b[k] for k in ("forward_ms", "backward_ms", "window_idle_ms", "grad_norm_ms", "optimizer_ms")]
+        assert all(p >= 0 for p in parts) and 0 < sum(parts) <= step_ms * 1.05
+        assert b["forward_ms"] > 0 and b["backward_ms"] > 0 and b["compute_vs_alone"] > 0
+    assert [b["stage"] for b in ours["breakdown"]] == [0, 1]
+    assert "Where raypar's step goes" in out.stdout

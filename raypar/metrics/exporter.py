@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 from raypar.callbacks import Callback
 from raypar.config import Config, ConfigError
 from raypar.metrics.catalog import CATALOG, MetricSpec, spec
+from raypar.stats import is_compute
 
 if TYPE_CHECKING:
     from raypar.runtime.stage import StepReport
@@ -98,10 +99,6 @@ class WorkerTimes:
     idle_s: float  # pipeline window (first action of the pipeline to its last backward) - F - B
 
 
-def _is_compute(label: str, op: str) -> bool:
-    return label.startswith(op) and label[1:].isdigit()
-
-
 def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
     """Forward/backward/idle per worker from the step's reports.
 
@@ -118,8 +115,8 @@ def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
     for r in sorted(reports, key=lambda r: r.rank):
         c = coords[r.rank]
         lo, hi = windows[(c.dp, c.ep)]
-        fwd = sum(e - b for label, b, e in r.events if _is_compute(label, "F"))
-        bwd = sum(e - b for label, b, e in r.events if _is_compute(label, "B"))
+        fwd = sum(e - b for label, b, e in r.events if is_compute(label, "F"))
+        bwd = sum(e - b for label, b, e in r.events if is_compute(label, "B"))
         out.append(WorkerTimes(c.pp, c.dp, c.ep, fwd, bwd, max(0.0, (hi - lo) - fwd - bwd)))
     return out
 
