@@ -60,6 +60,20 @@ class StageWorker:
         self.salvage = 0
         self._salvage_lock = threading.Lock()
 
+    def warm(self) -> None:
+        """A standby's start-up work, done while it waits (elastic.standby_workers), so that
+        taking a lost worker's place costs only `setup`: what torch imports on first building a
+        stage (a meta-device build: no memory), the data, the CUDA context and the kernels."""
+        from raypar.model.partition import stage_param_names
+
+        stage_param_names(self.cfg.model, 0, self.grid.pp, self.cfg.parallel.layers_per_stage)
+        if self._dataset is None:
+            self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
+        if self.device.type == "cuda":
+            torch.zeros(1, device=self.device)
+            kernels.set_enabled(self.cfg.runtime.kernels)
+            kernels.load_all()
+
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
         return ray.util.get_node_ip_address(), _free_port()

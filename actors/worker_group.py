@@ -34,6 +34,8 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 
 # How often a wait for all workers looks for one that already failed.
 _ERROR_POLL_S = 0.1
+# How long a salvage waits for the standbys to answer (they were asked with the survivors).
+_STANDBY_PING_S = 1.0
 
 
 class StepTimeout(RuntimeError):
@@ -73,12 +75,17 @@ class WorkerGroup:
         # and slots whose worker is gone, as (slot, node id or None when unknown).
         self.survivors: list[tuple] = []
         self._idle: list[tuple] = []
+        # Started, idle workers that replace lost ones (elastic.standby_workers), as (worker, slot);
+        # those that answered at the last salvage are the ones a recovery may use.
+        self.standbys: list[tuple] = []
+        self._standbys_ready: list[tuple] = []
         self._salvages = 0  # numbers each salvage's abort and reset for the workers
         pg = self._reserve(grid.size)
         self.slots = [(pg, i) for i in range(grid.size)]
         try:
             self.workers = [self._start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
             self._setup(fresh=True)
+            self._start_standbys(cfg.elastic.standby_workers)
         except BaseException:
             self.shutdown()  # the caller never gets this group: release what it holds
             raise
@@ -98,6 +105,22 @@ class WorkerGroup:
             )
         self._pgs.append(pg)
         return pg
+
+    def _start_standbys(self, n: int) -> None:
+        """Start `n` standby workers in a placement group of their own, without waiting for it:
+        the grid never waits for its standbys, and a cluster without room for them only runs
+        without (the pending group stays visible to the autoscaler)."""
+        if n <= 0:
+            return
+        pg = placement_group([self.resources.bundle()] * n, strategy="PACK")
+        self._pgs.append(pg)
+        for i in range(n):
+            self._add_standby((pg, i))
+
+    def _add_standby(self, slot: tuple) -> None:
+        worker = self._start_worker(slot, rank=-1)
+        worker.warm.remote()  # its start-up work now, not when it is needed
+        self.standbys.append((worker, slot))
 
     def _start_worker(self, slot: tuple, rank: int):
         pg, bundle = slot
@@ -136,8 +159,12 @@ class WorkerGroup:
             # Also refuses the steps already queued behind the failed one.
             w.abort.remote(self._salvages, dump_after_s=0.8 * timeout)
         refs = [w.reset.remote(self._salvages) for _, w, _ in candidates]
+        pings = [w.address.remote() for w, _ in self.standbys]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         ready = set(ready)
+        # A live standby answers at once; one still waiting for room must not hold the recovery up.
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=_STANDBY_PING_S) if pings else ([], [])
+        self._sort_standbys(pings, set(answered))
         survivors, idle = [], list(self._idle)
         for (rank, w, slot), ref in zip(candidates, refs):
             node = None
@@ -166,9 +193,29 @@ class WorkerGroup:
             self.reset_writers()
         return len(survivors)
 
+    def _sort_standbys(self, pings: list, answered: set) -> None:
+        """Standbys that answered may replace lost workers; dead ones are dropped; the rest
+        (not placed yet, or slow to start) stay standbys for a later recovery."""
+        ready, kept = [], []
+        for (w, slot), ref in zip(self.standbys, pings):
+            if ref not in answered:
+                kept.append((w, slot))
+                continue
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - dead: its bundle waits for a proven node, like a lost worker's
+                _kill(w)
+                self._idle.append((slot, None))
+                continue
+            entry = (w, slot)
+            ready.append(entry)
+            kept.append(entry)
+        self.standbys, self._standbys_ready = kept, ready
+
     def reusable_slots(self) -> int:
-        """Workers the next grid can have without new resources: survivors and free bundles on live nodes."""
-        return len(self.survivors) + sum(1 for _, node in self._idle if node is not None)
+        """Workers the next grid can have without new resources: survivors, standbys that answered
+        and free bundles on live nodes."""
+        return len(self.survivors) + len(self._standbys_ready) + sum(1 for _, node in self._idle if node is not None)
 
     def reconfigure(self, cfg: Config, grid: Grid) -> dict:
         """Put `grid` on the kept workers plus new ones: new ranks, process groups and stages.
@@ -197,6 +244,12 @@ class WorkerGroup:
         for (w, slot), r in zip(moved, free):
             workers[r], slots[r] = w, slot
         missing = [r for r in range(n) if workers[r] is None]
+        from_standby = self._standbys_ready[:len(missing)]
+        for r, (w, slot) in zip(missing, from_standby):
+            workers[r], slots[r] = w, slot
+        missing = missing[len(from_standby):]
+        self.standbys = [s for s in self.standbys if not any(s is used for used in from_standby)]
+        self._standbys_ready = []
         trusted = [i for i, (_, node) in enumerate(self._idle) if node is not None][:len(missing)]
         usable = [self._idle[i][0] for i in trusted]
         self._idle = [x for i, x in enumerate(self._idle) if i not in trusted]
@@ -213,7 +266,17 @@ class WorkerGroup:
             self.workers, self.slots = [workers[r] for r in held], [slots[r] for r in held]
             self._idle += [(slot, None) for slot in usable if slot not in self.slots]
         self._setup(fresh=False)
-        return {"kept": len(survivors), "started": len(missing)}
+        return {"kept": len(survivors), "started": len(missing), "standby": len(from_standby)}
+
+    def refill_standbys(self) -> None:
+        """Replace the standbys a recovery used, on free bundles of live nodes (a lost worker's).
+        Called once the run is going again, so that their start does not slow the recovery."""
+        for _ in range(self.cfg.elastic.standby_workers - len(self.standbys)):
+            free = next((i for i, (_, node) in enumerate(self._idle) if node is not None), None)
+            if free is None:
+                return
+            slot, _ = self._idle.pop(free)
+            self._add_standby(slot)
 
     def held_free_slots(self) -> int:
         """Bundles this group holds without a worker, placed on nodes Ray reports alive."""
@@ -373,9 +436,11 @@ class WorkerGroup:
         return [results[r] for r in refs]
 
     def shutdown(self) -> None:
-        for w in [*self.workers, *(s[1] for s in self.survivors), *self._writers.values()]:
+        for w in [*self.workers, *(s[1] for s in self.survivors), *(s[0] for s in self.standbys),
+                  *self._writers.values()]:
             _kill(w)
         self.workers, self.survivors, self._writers = [], [], {}
+        self.standbys, self._standbys_ready = [], []
         for pg in self._pgs:
             remove_placement_group(pg)
         # Removal is asynchronous; a re-plan right after must see the resources as free.

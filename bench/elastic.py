@@ -20,7 +20,9 @@ NOTES = ("detection: from the step's start to the failure being seen; recovery: 
          "workers up (replacements started, process groups and stages built), checkpoint load, first step; "
          "restart: from constructing a new Trainer "
          "(checkpoint.resume=the checkpoint the recovery loaded) to the end of its first step, in the same "
-         "Ray cluster; ratio: recovery / restart (below 1: recovering in place is faster).")
+         "Ray cluster; ratio: recovery / restart (below 1: recovering in place is faster). With a standby: "
+         "elastic.standby_workers=1, a started idle worker takes the lost one's place (it needs resources beyond "
+         "the grid's: a third GPU on GPU).")
 
 EVERY = 2  # checkpoint interval of the killed run
 KILL_AFTER = 2  # the worker dies after this step (0-based), once the save before it committed
@@ -42,6 +44,8 @@ class KillAfterCommit(Callback):
 
         if record.step == self.at and self.killed_at is None:
             trainer.saver.finish()
+            # A standby still starting would not be used: measure the recovery it is there for.
+            ray.get([w.address.remote() for w, _ in trainer.group.standbys], timeout=300)
             self.killed_at = time.time()
             ray.kill(trainer.group.workers[self.rank])
 
@@ -74,9 +78,26 @@ def run(ctx: "Context") -> list[dict]:
     label = f"elastic recovery: stage worker {cfg.parallel.pp - 1} killed after step {KILL_AFTER}"
     recovered: dict = {}
     rows = ctx.attempt(label, lambda: recovery_row(ctx, cfg, label, recovered), min_time_s=60)
+    standby_label = label + ", with a standby worker"
+    if ctx.cpu or ray_gpus() >= cfg.parallel.pp + 1:
+        standby_cfg = ctx.config([*overrides, "elastic.standby_workers=1"], "killed-standby", steps=steps)
+        standby_cfg.data.path = cfg.data.path
+        rows += ctx.attempt(standby_label, lambda: recovery_row(ctx, standby_cfg, standby_label, {}), min_time_s=60)
+    else:
+        rows.append({"label": standby_label, "unavailable": f"needs a GPU beyond the grid's {cfg.parallel.pp}"})
     if recovered:
         rows += ctx.attempt("full restart from the same checkpoint", lambda: restart_row(ctx, cfg, recovered))
+    restart = next((r for r in rows if "restart_s" in r), None)
+    for r in rows:
+        if restart is not None and "recovery_s" in r:
+            r["recovery_vs_restart"] = r["recovery_s"] / restart["restart_s"]
     return rows
+
+
+def ray_gpus() -> int:
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0))
 
 
 def recovery_row(ctx: "Context", cfg, label: str, recovered: dict) -> dict:
@@ -95,7 +116,7 @@ def recovery_row(ctx: "Context", cfg, label: str, recovered: dict) -> dict:
     path = checkpoint_dir(trainer.saver.root, event["resumed_step"]) if event["resumed_step"] else None
     recovered.update(event, path=path and str(path))
     phases = {k: event.get(k) for k in ("salvage_s", "workers_s", "load_s", "first_step_s", "workers_kept",
-                                         "workers_started")}
+                                         "workers_started", "workers_from_standby")}
     return ctx.row(label, cfg, summary, detection_s=event["detection_s"], recovery_s=event["recovery_s"],
                    steps_lost=event["steps_lost"], failed_grid=event["failed_grid"], recovered_grid=event["grid"],
                    resumed_step=event["resumed_step"], **phases)
@@ -115,23 +136,23 @@ def restart_row(ctx: "Context", killed_cfg, recovered: dict) -> dict:
         raise RuntimeError("the restarted run ran no step")
     restart_s = first.first_step - t0
     return ctx.row(label, cfg, summary, restart_s=restart_s, workers_up_s=first.up - t0,
-                   first_step_s=first.first_step - first.up, resumed_step=recovered["resumed_step"],
-                   recovery_vs_restart=recovered["recovery_s"] / restart_s)
+                   first_step_s=first.first_step - first.up, resumed_step=recovered["resumed_step"])
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| run | detection s | recovery / restart s (to first step end) | survivors' teardown s | "
-             "workers up s | checkpoint load s | first step s | workers kept / started | steps redone | grid | "
+             "workers up s | checkpoint load s | first step s | workers kept / started / from standby | steps redone | grid | "
              "recovery / restart |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
         if "recovery_s" in r:
-            kept = "" if r.get("workers_kept") is None else f"{r['workers_kept']} / {r.get('workers_started', 0)}"
+            kept = "" if r.get("workers_kept") is None else (
+                f"{r['workers_kept']} / {r.get('workers_started', 0)} / {r.get('workers_from_standby', 0)}")
+            ratio = "" if r.get("recovery_vs_restart") is None else f"{r['recovery_vs_restart']:.2f}"
             lines.append(f"| {r['label']} | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | {f(r.get('salvage_s'))} | "
                          f"{f(r.get('workers_s'))} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | {kept} | "
-                         f"{r['steps_lost']} | {r['failed_grid']} -> {r['recovered_grid']} | |")
-        else:
+                         f"{r['steps_lost']} | {r['failed_grid']} -> {r['recovered_grid']} | {ratio} |")
+        elif "restart_s" in r:
             lines.append(f"| {r['label']} (from step {r['resumed_step']}) | | {r['restart_s']:.2f} | | "
-                         f"{r['workers_up_s']:.2f} (with the load) | | {f(r.get('first_step_s'))} | | | {r['grid']} | "
-                         f"{r['recovery_vs_restart']:.2f} |")
+                         f"{r['workers_up_s']:.2f} (with the load) | | {f(r.get('first_step_s'))} | | | {r['grid']} | |")
     return "\n".join(lines)

@@ -158,6 +158,10 @@ class ElasticConfig:
     # How long a surviving worker may take to leave its step and process groups after a
     # failure; one that does not answer in time is killed and replaced.
     survivor_timeout_s: float = 15.0
+    # Stage-worker processes started beside the grid and kept idle, each holding one worker's
+    # resources (a GPU on GPU runs), to replace a lost worker without starting a process, CUDA
+    # and kernels then. Used when survivors are kept; replaced from the lost worker's resources.
+    standby_workers: int = 0
 
 
 @dataclass
@@ -323,10 +327,16 @@ def validate(cfg: Config) -> None:
     if r.steps_ahead < 0:
         raise ConfigError(f"runtime.steps_ahead={r.steps_ahead} must be >= 0 (0 waits for each step, 1 sends the next early)")
     e = cfg.elastic
-    if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0 or e.survivor_timeout_s <= 0:
+    if e.min_workers < 1 or e.max_restarts < 0 or e.resource_timeout_s < 0 or e.survivor_timeout_s <= 0 \
+            or e.standby_workers < 0:
         raise ConfigError(f"elastic.min_workers={e.min_workers} must be >= 1, elastic.max_restarts={e.max_restarts} "
                           f">= 0, elastic.resource_timeout_s={e.resource_timeout_s} >= 0, "
-                          f"elastic.survivor_timeout_s={e.survivor_timeout_s} > 0")
+                          f"elastic.survivor_timeout_s={e.survivor_timeout_s} > 0, "
+                          f"elastic.standby_workers={e.standby_workers} >= 0")
+    if e.standby_workers and not (e.enabled and e.keep_survivors):
+        raise ConfigError(f"elastic.standby_workers={e.standby_workers} replaces lost workers during a recovery that "
+                          f"keeps the survivors: set elastic.enabled=true and elastic.keep_survivors=true, "
+                          f"or elastic.standby_workers=0")
     if t.seed < 0:
         raise ConfigError(f"train.seed={t.seed} must be >= 0")
     for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,

@@ -375,6 +375,8 @@ class Controller:
         if self._recovery is not None:
             self._recovery["workers_kept"] = counts["kept"]
             self._recovery["workers_started"] = self._recovery.get("workers_started", 0) + counts["started"]
+            self._recovery["workers_from_standby"] = (self._recovery.get("workers_from_standby", 0)
+                                                      + counts["standby"])
 
     def _recovered(self, workers_s: float, load_s: float) -> None:
         """STARTING done after a failure: where the recovery resumed and what its phases took."""
@@ -392,6 +394,7 @@ class Controller:
         # Steps done before the failure that the run had to do again from the checkpoint.
         event["steps_lost"] = max(0, event.pop("steps_done") - event["resumed_step"])
         t.recoveries.append(event)
+        t.group.refill_standbys()
         t.log(f"raypar: recovered on {event['grid']} in {event['recovery_s']:.1f}s "
               f"(detected after {event['detection_s']:.1f}s, {event['steps_lost']} steps redone)")
         for callback in t.callbacks:

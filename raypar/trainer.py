@@ -227,7 +227,8 @@ class Trainer:
             # Workers kept after a failure (`Controller._recover`): the new grid on them plus replacements.
             counts = self.group.reconfigure(self.cfg, self.grid)
             self._control.workers_reused(counts)
-            self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}")
+            self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}"
+                     + (f", took {counts['standby']} from the standbys" if counts["standby"] else ""))
         else:
             self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
         self._say_kernels(self.group.info)

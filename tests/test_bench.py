@@ -59,10 +59,11 @@ def test_every_suite_runs_on_cpu(tmp_path):
                                          "load, resharded (pp=2 -> pp=1)"}
     assert next(r for r in ckpt if r.get("load_pp") == 1)["vs_same_grid"] > 0
 
-    recovery, restart = results["suites"]["elastic"]["rows"]
+    recovery, standby, restart = results["suites"]["elastic"]["rows"]
     assert recovery["recovery_s"] > 0 and recovery["failed_grid"] == recovery["recovered_grid"]
     assert restart["restart_s"] > 0 and restart["resumed_step"] == recovery["resumed_step"]
-    assert restart["recovery_vs_restart"] > 0
+    assert recovery["recovery_vs_restart"] > 0 and standby["recovery_vs_restart"] > 0
+    assert (standby["workers_started"], standby["workers_from_standby"]) == (0, 1)
 
     pipeline = _rows(results, "pipeline")
     assert pipeline["1f1b, release"]["reused_from"] == "baselines" and len(pipeline) == 6

@@ -116,6 +116,54 @@ def test_recovery_keeps_the_surviving_workers(ray_session, tmp_path, data, unint
     assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
 
 
+class KillWithStandby(Callback):
+    """Kills rank 1 after step 2 and rank 0 after step 5, each time once the standby answers;
+    records which standby each recovery should have used."""
+
+    def __init__(self):
+        self.kills = {2: 1, 5: 0}
+        self.standby_ids: list[str] = []
+
+    def on_step_end(self, trainer, record):
+        rank = self.kills.pop(record.step, None)
+        if rank is None:
+            return
+        standby = trainer.group.standbys[0][0]
+        ray.get(standby.address.remote(), timeout=60)  # the refilled one may still be starting
+        self.standby_ids.append(standby._actor_id.hex())
+        ray.kill(trainer.group.workers[rank])
+
+    def on_recovery(self, trainer, event):
+        assert len(trainer.group.standbys) == 1  # refilled from the lost worker's resources
+
+
+def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, uninterrupted):
+    """elastic.standby_workers=1: each recovery puts the started standby in the lost worker's
+    place (no worker is started) and starts a new standby; the result is the uninterrupted one."""
+    reference = uninterrupted((1, 2, 1), None)
+    kills = KillWithStandby()
+    trainer = Trainer(elastic_config(tmp_path, "standby", (1, 2, 1), standby_workers=1), callbacks=[kills])
+    summary = trainer.fit()
+    assert len(summary.recoveries) == 2 and len(kills.standby_ids) == 2
+    for event in summary.recoveries:
+        print(f"\nrecovery with a standby: recovered in {event['recovery_s']:.2f}s (workers up "
+              f"{event['workers_s']:.2f}s), {event['workers_kept']} kept, {event['workers_started']} started, "
+              f"{event['workers_from_standby']} from the standby")
+        assert (event["workers_kept"], event["workers_started"], event["workers_from_standby"]) == (1, 0, 1)
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+    assert summary.consumed_samples == reference.consumed_samples
+
+
+def test_standby_workers_need_a_recovery_that_keeps_survivors(tmp_path):
+    from raypar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="elastic.standby_workers=1 replaces lost workers"):
+        load_config(None, ["elastic.standby_workers=1"])
+    with pytest.raises(ConfigError, match="elastic.standby_workers=-1 >= 0"):
+        load_config(None, ["elastic.enabled=true", "elastic.standby_workers=-1"])
+
+
 class KillAgainAfterRecovery(KillWorker):
     """Kills a worker, then kills a new one as soon as the recovered grid has started."""
 
