@@ -197,18 +197,15 @@ class WorkerGroup:
         """Standbys that answered may replace lost workers; dead ones are dropped; the rest
         (not placed yet, or slow to start) stay standbys for a later recovery."""
         ready, kept = [], []
-        for (w, slot), ref in zip(self.standbys, pings):
-            if ref not in answered:
-                kept.append((w, slot))
-                continue
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - dead: its bundle waits for a proven node, like a lost worker's
-                _kill(w)
-                self._idle.append((slot, None))
-                continue
-            entry = (w, slot)
-            ready.append(entry)
+        for entry, ref in zip(self.standbys, pings):
+            if ref in answered:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - dead: its bundle waits for a proven node, like a lost worker's
+                    _kill(entry[0])
+                    self._idle.append((entry[1], None))
+                    continue
+                ready.append(entry)
             kept.append(entry)
         self.standbys, self._standbys_ready = kept, ready
 

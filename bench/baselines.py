@@ -272,10 +272,10 @@ def step_breakdown(run_dir: str) -> list[dict]:
             last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
             if i > 0:  # the first step pays for warm-up
                 into = sums[r["pp"]]
-                into["forward_ms"].append(span(lambda label: is_compute(label, "F")))
-                into["backward_ms"].append(span(lambda label: is_compute(label, "B")))
-                into["window_idle_ms"].append(1000 * (last_backward - first) - into["forward_ms"][-1]
-                                              - into["backward_ms"][-1])
+                forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
+                into["forward_ms"].append(forward)
+                into["backward_ms"].append(backward)
+                into["window_idle_ms"].append(1000 * (last_backward - first) - forward - backward)
                 into["grad_norm_ms"].append(span(lambda label: label == "REDUCE_GRAD"))
                 into["optimizer_ms"].append(span(lambda label: label == "STEP"))
                 if previous_end is not None:

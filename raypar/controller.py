@@ -8,7 +8,7 @@ committed checkpoint. GROWING restarts on a larger grid at a checkpoint when res
 have come back.
 
 The Trainer keeps what callers read about the run (its grid, config, workers, restarts and
-recoveries) and the operations on the workers (start, resume, train_step, shutdown); the
+recoveries) and the operations on the workers (start, resume, issue_step and finish_step, shutdown); the
 controller decides when they run and keeps the bookkeeping between states.
 """
 from __future__ import annotations

@@ -311,11 +311,6 @@ class Trainer:
         self.start_step = manifest.step
         return manifest.step, manifest.consumed_samples
 
-    def train_step(self, step: int, order: SampleOrder, consumed: int, events_out=None,
-                   snapshot: dict | None = None) -> StepRecord:
-        """Run one step and wait for it."""
-        return self.finish_step(self.issue_step(step, order, consumed, snapshot), events_out)
-
     def issue_step(self, step: int, order: SampleOrder, consumed: int, snapshot: dict | None = None) -> PendingStep:
         """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
         cfg, grid = self.cfg, self.grid

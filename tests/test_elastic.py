@@ -118,11 +118,12 @@ def test_recovery_keeps_the_surviving_workers(ray_session, tmp_path, data, unint
 
 class KillWithStandby(Callback):
     """Kills rank 1 after step 2 and rank 0 after step 5, each time once the standby answers;
-    records which standby each recovery should have used."""
+    records which standby each recovery should have used, and the grid's workers after it."""
 
     def __init__(self):
         self.kills = {2: 1, 5: 0}
         self.standby_ids: list[str] = []
+        self.grids_after: list[list[str]] = []
 
     def on_step_end(self, trainer, record):
         rank = self.kills.pop(record.step, None)
@@ -135,6 +136,7 @@ class KillWithStandby(Callback):
 
     def on_recovery(self, trainer, event):
         assert len(trainer.group.standbys) == 1  # refilled from the lost worker's resources
+        self.grids_after.append([w._actor_id.hex() for w in trainer.group.workers])
 
 
 def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, uninterrupted):
@@ -150,6 +152,8 @@ def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, unint
               f"{event['workers_s']:.2f}s), {event['workers_kept']} kept, {event['workers_started']} started, "
               f"{event['workers_from_standby']} from the standby")
         assert (event["workers_kept"], event["workers_started"], event["workers_from_standby"]) == (1, 0, 1)
+    # The lost ranks went to the standbys: rank 1 after the first kill, rank 0 after the second.
+    assert [grid[rank] for grid, rank in zip(kills.grids_after, (1, 0))] == kills.standby_ids
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
     assert summary.consumed_samples == reference.consumed_samples
