@@ -5,15 +5,16 @@ import faulthandler
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import ray
 import torch
 
-from raypar import kernels
+from raypar import host_wait, kernels
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
-from raypar.runtime.groups import build_groups, init_world
+from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.stage import StepReport, StageRuntime
 from raypar.schedule import Action
 from raypar.topology import Grid
@@ -50,6 +51,9 @@ class StageWorker:
         self.data_path = data_path
         self._dataset: TokenDataset | None = None  # opened on first use, kept across re-plans
         self.runtime: StageRuntime | None = None
+        # Pinned host buffers of the last stage's checkpoint snapshots, kept across `reset`:
+        # pinning them again costs seconds of the recovery's first steps.
+        self._snapshot_buffers: dict[str, torch.Tensor] = {}
         self.program_version = 0  # of the program set by set_program; 0: none yet
         # Set when a step failed or the driver aborted: the groups are broken and steps
         # queued behind (the driver sends the next step before the last one returns) are
@@ -59,6 +63,8 @@ class StageWorker:
         # different threads in either order, and a late abort must not hit the next plan.
         self.salvage = 0
         self._salvage_lock = threading.Lock()
+        # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
+        self._nccl_lock = threading.Lock()
 
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
@@ -70,24 +76,32 @@ class StageWorker:
         if self._dataset is None:
             self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
         if self.device.type == "cuda":
-            torch.zeros(1, device=self.device)
             kernels.set_enabled(self.cfg.runtime.kernels)
             kernels.load_all()
+            # cuBLAS and attention create their handles and workspaces on first use.
+            dtype = getattr(torch, self.cfg.model.dtype)
+            x = torch.randn(1, 2, 64, 64, device=self.device, dtype=dtype, requires_grad=True)
+            out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+            (out @ x.transpose(-1, -2)).sum().backward()
+            torch.cuda.synchronize(self.device)
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, master_addr: str, master_port: int, cfg: dict | None = None, grid: Grid | None = None,
-              rank: int | None = None) -> dict:
+              rank: int | None = None, init_weights: bool = True) -> dict:
         """Join the process groups and build this cell's stage. After a failure, a kept worker
-        is set up again with the new plan's config, grid and rank (see `reset`)."""
+        is set up again with the new plan's config, grid and rank (see `reset`).
+        `init_weights=False`: a checkpoint is loaded next, so the stage is not initialised."""
         if cfg is not None:
             self.cfg, self.grid, self.rank = config_from_dict(cfg), grid, rank
+        t0 = time.perf_counter()
         timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
         groups = build_groups(self.grid, self.rank, timeout)
+        t1 = time.perf_counter()
         coord = self.grid.coord(self.rank)
         needs_data = coord.pp in (0, self.grid.pp - 1)
         if needs_data and self._dataset is None:
@@ -97,8 +111,14 @@ class StageWorker:
         kernels.set_enabled(self.cfg.runtime.kernels)
         # Compile at start-up (cached on the node), so the first step does not pay for it.
         kernel_status = kernels.load_all() if self.device.type == "cuda" else {}
-        self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset)
-        return {"rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
+        t2 = time.perf_counter()
+        self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset, init_weights,
+                                    self._snapshot_buffers)
+        self._snapshot_buffers = {}
+        # Where a setup's time goes: the rendezvous, data and kernels, and the stage (build,
+        # optimizer, the first connections to its neighbours and the world).
+        setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, "stage": time.perf_counter() - t2}
+        return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status}
 
@@ -140,17 +160,16 @@ class StageWorker:
         """Load this worker's share of checkpoint `path`; returns how many bytes it read."""
         from raypar.checkpoint import CheckpointReader
 
-        read_bytes = 0
+        sizes: list[int] = []  # appended from the reading threads
         with CheckpointReader(path) as reader:
             def read(*args, **kwargs) -> torch.Tensor:
-                nonlocal read_bytes
                 t = reader.read(*args, **kwargs)
-                read_bytes += t.nbytes
+                sizes.append(t.nbytes)
                 return t
 
             names = set(reader.names())
             missing = self.runtime.load_checkpoint(read, names, same_grid)
-        return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": read_bytes}
+        return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": sum(sizes)}
 
     def owned_weight_names(self) -> list[str]:
         """The weights this worker writes to checkpoints (one writer per replicated tensor)."""
@@ -174,18 +193,21 @@ class StageWorker:
             faulthandler.cancel_dump_traceback_later()
             self.failed = None
             self.salvage = salvage
+            host_wait.clear()
+        if self.runtime is not None:
+            self._snapshot_buffers = self.runtime.snapshot.release()
         self.runtime = None
         self.program_version = 0
         self._destroy_groups()
+        # The stage's device memory goes back to torch's cache, not to CUDA: the next stage
+        # reuses it, and the allocator frees cached blocks itself when it needs other sizes.
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="control")
     def abort(self, salvage: int, dump_after_s: float | None = None) -> None:
-        """Break NCCL collectives stuck on a lost peer so that the step in flight returns, and
-        refuse the steps queued behind it.
+        """Cancel the step in flight (`host_wait`), break NCCL collectives stuck on a lost peer
+        (`abort_groups`) so that it returns, and refuse the steps queued behind it.
 
         Runs beside run_step. Gloo (CPU) needs no abort: a lost peer, or one whose step failed
         (`_break_groups`), closes its connections; a hung one runs into the collective timeout.
@@ -194,6 +216,9 @@ class StageWorker:
             if salvage <= self.salvage:
                 return  # its salvage's reset already ran: the worker holds the next plan's groups now
             self.failed = self.failed or "aborted by the driver after a failure"
+            # The step in flight is worthless (the recovery goes back to a checkpoint): stop it
+            # issuing work and waiting on the GPU.
+            host_wait.cancel(f"salvage {salvage}: the driver is recovering from a failure")
             if dump_after_s is not None:
                 # If `reset` has not come within dump_after_s, every thread's stack goes to this
                 # worker's log: where a survivor that is about to be replaced was stuck.
@@ -213,15 +238,8 @@ class StageWorker:
             self._destroy_groups()
 
     def _abort_nccl(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception:  # noqa: BLE001 - the driver kills a worker that does not come back
-                    pass
+        with self._nccl_lock:
+            abort_groups()
 
     def _destroy_groups(self) -> None:
         import torch.distributed as dist

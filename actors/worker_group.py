@@ -57,7 +57,8 @@ class WorkerGroup:
     next plan's grid on them plus replacements, instead of starting every worker again.
     """
 
-    def __init__(self, cfg: Config, grid: Grid, resources: WorkerResources, data_path: str):
+    def __init__(self, cfg: Config, grid: Grid, resources: WorkerResources, data_path: str,
+                 init_weights: bool = True):
         self.cfg = cfg
         self.grid = grid
         self.resources = resources
@@ -84,7 +85,7 @@ class WorkerGroup:
         self.slots = [(pg, i) for i in range(grid.size)]
         try:
             self.workers = [self._start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
-            self._setup(fresh=True)
+            self._setup(fresh=True, init_weights=init_weights)
             self._start_standbys(cfg.elastic.standby_workers)
         except BaseException:
             self.shutdown()  # the caller never gets this group: release what it holds
@@ -133,12 +134,13 @@ class WorkerGroup:
             name=None,
         ).remote(self.cfg.to_dict(), self.grid, rank, self.resources.device, self.data_path)
 
-    def _setup(self, fresh: bool) -> None:
+    def _setup(self, fresh: bool, init_weights: bool) -> None:
         """Wire the process groups of the current grid and build every worker's stage."""
         setup_timeout = self.cfg.runtime.collective_timeout_s + 120.0
         addr, port = ray.get(self.workers[0].address.remote(), timeout=setup_timeout)
         args = () if fresh else (self.cfg.to_dict(), self.grid)
-        refs = [w.setup.remote(addr, port, *args, *(() if fresh else (rank,))) for rank, w in enumerate(self.workers)]
+        refs = [w.setup.remote(addr, port, *args, *(() if fresh else (rank,)), init_weights=init_weights)
+                for rank, w in enumerate(self.workers)]
         self.info = self._get(refs, setup_timeout, "setup")
 
     # -- recovery ------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ class WorkerGroup:
         and free bundles on live nodes."""
         return len(self.survivors) + len(self._standbys_ready) + sum(1 for _, node in self._idle if node is not None)
 
-    def reconfigure(self, cfg: Config, grid: Grid) -> dict:
+    def reconfigure(self, cfg: Config, grid: Grid, init_weights: bool = True) -> dict:
         """Put `grid` on the kept workers plus new ones: new ranks, process groups and stages.
 
         Survivors keep their rank where the new grid has it and fill the gaps otherwise;
@@ -262,7 +264,7 @@ class WorkerGroup:
             held = [r for r in range(n) if workers[r] is not None]
             self.workers, self.slots = [workers[r] for r in held], [slots[r] for r in held]
             self._idle += [(slot, None) for slot in usable if slot not in self.slots]
-        self._setup(fresh=False)
+        self._setup(fresh=False, init_weights=init_weights)
         return {"kept": len(survivors), "started": len(missing), "standby": len(from_standby)}
 
     def refill_standbys(self) -> None:

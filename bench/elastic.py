@@ -18,6 +18,8 @@ TITLE = "recovery from a killed stage worker against a full restart from the sam
 NOTES = ("detection: from the step's start to the failure being seen; recovery: from detection to the end of "
          "the first step after it (raypar's summary.recoveries), in phases: the survivors' abort and teardown, "
          "workers up (replacements started, process groups and stages built), checkpoint load, first step; "
+         "workers up includes the slowest worker's setup, by phase (groups: the rendezvous; data_kernels: data and CUDA "
+         "kernels; stage: building the stage and optimizer and connecting to its neighbours); "
          "restart: from constructing a new Trainer "
          "(checkpoint.resume=the checkpoint the recovery loaded) to the end of its first step, in the same "
          "Ray cluster; ratio: recovery / restart (below 1: recovering in place is faster). With a standby: "
@@ -69,8 +71,8 @@ class FirstStep(Callback):
 
 def run(ctx: "Context") -> list[dict]:
     steps = max(ctx.default_steps(), KILL_AFTER + 2)
-    # On GPU a survivor's NCCL abort does not return while its step is blocked on the lost
-    # peer (BENCHMARKS.md), so it is replaced either way: wait 5 s for survivors, not 15.
+    # A survivor is back within about a second (its abort and teardown); 5 s bound a
+    # recovery whose survivor is stuck, instead of the default 15.
     overrides = ["parallel.pp=2", "elastic.enabled=true", "elastic.min_workers=2", "elastic.resource_timeout_s=60",
                  f"checkpoint.every={EVERY}", "checkpoint.keep_last=3", "elastic.survivor_timeout_s=5"]
     cfg = ctx.config(overrides, "killed", steps=steps)
@@ -115,7 +117,7 @@ def recovery_row(ctx: "Context", cfg, label: str, recovered: dict) -> dict:
     # Step 0 means no checkpoint had committed: the recovery started over, and so does the restart.
     path = checkpoint_dir(trainer.saver.root, event["resumed_step"]) if event["resumed_step"] else None
     recovered.update(event, path=path and str(path))
-    phases = {k: event.get(k) for k in ("salvage_s", "workers_s", "load_s", "first_step_s", "workers_kept",
+    phases = {k: event.get(k) for k in ("salvage_s", "workers_s", "setup_s", "load_s", "first_step_s", "workers_kept",
                                          "workers_started", "workers_from_standby")}
     return ctx.row(label, cfg, summary, detection_s=event["detection_s"], recovery_s=event["recovery_s"],
                    steps_lost=event["steps_lost"], failed_grid=event["failed_grid"], recovered_grid=event["grid"],
@@ -149,8 +151,11 @@ def table(rows: list[dict]) -> str:
             kept = "" if r.get("workers_kept") is None else (
                 f"{r['workers_kept']} / {r.get('workers_started', 0)} / {r.get('workers_from_standby', 0)}")
             ratio = "" if r.get("recovery_vs_restart") is None else f"{r['recovery_vs_restart']:.2f}"
+            setup = r.get("setup_s") or {}
+            up = f(r.get("workers_s")) + (" (setup: " + ", ".join(f"{k} {v:.2f}" for k, v in setup.items()) + ")"
+                                          if setup else "")
             lines.append(f"| {r['label']} | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | {f(r.get('salvage_s'))} | "
-                         f"{f(r.get('workers_s'))} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | {kept} | "
+                         f"{up} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | {kept} | "
                          f"{r['steps_lost']} | {r['failed_grid']} -> {r['recovered_grid']} | {ratio} |")
         elif "restart_s" in r:
             lines.append(f"| {r['label']} (from step {r['resumed_step']}) | | {r['restart_s']:.2f} | | "

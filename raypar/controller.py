@@ -93,7 +93,7 @@ class Controller:
                 while True:
                     try:
                         t0 = time.time()
-                        t.start(dataset)  # a worker lost while starting is a failure like any other
+                        t.start(dataset, resume)  # a worker lost while starting is a failure like any other
                         t1 = time.time()
                         start, consumed = t.resume(resume)
                         t.saver.start_writers(t.group)
@@ -381,8 +381,11 @@ class Controller:
     def _recovered(self, workers_s: float, load_s: float) -> None:
         """STARTING done after a failure: where the recovery resumed and what its phases took."""
         if self._recovery is not None:
+            # The slowest worker's setup, by phase: what "workers up" was made of.
+            setups = [i["setup_s"] for i in self.trainer.group.info if "setup_s" in i]
+            setup_s = {k: max(s[k] for s in setups) for k in setups[0]} if setups else {}
             self._recovery.update(grid=str(self.trainer.grid), resumed_step=self.trainer.start_step,
-                                  workers_s=workers_s, load_s=load_s, running_at=time.time())
+                                  workers_s=workers_s, setup_s=setup_s, load_s=load_s, running_at=time.time())
 
     def _finish_recovery(self, record: StepRecord) -> None:
         t = self.trainer

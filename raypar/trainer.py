@@ -209,8 +209,9 @@ class Trainer:
             # "local": a new cluster even if `ray start` left one registered on this machine.
             ray.init(address="local", num_cpus=self.cfg.runtime.num_cpus, include_dashboard=False)
 
-    def start(self, dataset: TokenDataset) -> None:
-        """PLANNING -> STARTING: pick the grid, place and wire its workers."""
+    def start(self, dataset: TokenDataset, resume: str | None = None) -> None:
+        """PLANNING -> STARTING: pick the grid, place and wire its workers. With a checkpoint to
+        `resume` (`checkpoint.resume`), the stages are not initialised: the load fills them."""
         import ray
 
         from raypar.actors.worker_group import WorkerGroup
@@ -223,14 +224,15 @@ class Trainer:
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
+        init_weights = self._checkpoint_path(resume) is None
         if self.group is not None:
             # Workers kept after a failure (`Controller._recover`): the new grid on them plus replacements.
-            counts = self.group.reconfigure(self.cfg, self.grid)
+            counts = self.group.reconfigure(self.cfg, self.grid, init_weights)
             self._control.workers_reused(counts)
             self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}"
                      + (f", took {counts['standby']} from the standbys" if counts["standby"] else ""))
         else:
-            self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path))
+            self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path), init_weights)
         self._say_kernels(self.group.info)
         self.group.set_programs(self.programs)
 
@@ -285,12 +287,12 @@ class Trainer:
         After a failure `spec` is "latest", which may not exist yet: then the run starts
         over from step 0 (initialisation is deterministic, so nothing differs).
         """
-        from raypar.checkpoint import CheckpointError, latest, read_manifest, resolve
+        from raypar.checkpoint import CheckpointError, read_manifest
 
         self.start_step = 0
-        if spec is None or (spec == "latest" and self._control.recovering and latest(self.saver.root) is None):
+        path = self._checkpoint_path(spec)
+        if path is None:
             return 0, 0
-        path = resolve(self.saver.root, spec)
         manifest = read_manifest(path)
         saved_model = manifest.config.get("model", {})
         current = self.cfg.to_dict()["model"]
@@ -310,6 +312,14 @@ class Trainer:
                  f"saved on grid {manifest.topology})")
         self.start_step = manifest.step
         return manifest.step, manifest.consumed_samples
+
+    def _checkpoint_path(self, spec: str | None):
+        """The checkpoint `resume(spec)` loads, or None when the run starts from step 0."""
+        from raypar.checkpoint import latest, resolve
+
+        if spec is None or (spec == "latest" and self._control.recovering and latest(self.saver.root) is None):
+            return None
+        return resolve(self.saver.root, spec)
 
     def issue_step(self, step: int, order: SampleOrder, consumed: int, snapshot: dict | None = None) -> PendingStep:
         """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""

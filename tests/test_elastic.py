@@ -90,6 +90,20 @@ def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_pat
     assert "RECOVERING" in summary.controller_states and summary.controller_states[-1] == "FINISHED"
 
 
+def test_recovery_before_any_checkpoint_starts_over_initialised(ray_session, tmp_path, data, uninterrupted):
+    """No checkpoint to go back to: the kept and the new workers build initialised stages
+    (a recovery with a checkpoint skips that, since the load fills them) and the run starts
+    over at step 0 with the uninterrupted run's result."""
+    reference = uninterrupted((1, 2, 1), None)
+    cfg = run_config(tmp_path, "no-checkpoint", (1, 2, 1), 8, None, checkpoint={"every": 0},
+                     elastic={"enabled": True, "resource_timeout_s": 10.0})
+    summary = Trainer(cfg, callbacks=[KillWorker(2, 1)]).fit()
+    event = summary.recoveries[0]
+    assert event["resumed_step"] == 0 and event["workers_kept"] == 1
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+
+
 class KillAndWatchActors(KillWorker):
     """KillWorker that records the workers' actor ids before the kill and once recovered."""
 

@@ -2,6 +2,7 @@
 the ones the first save copies into, and later saves reuse them."""
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -97,3 +98,43 @@ def test_copies_issued_by_the_export_or_the_next_optimizer_step_hold_the_marked_
     for name, t in expected.items():
         assert torch.equal(exported[name], t), name
     assert not torch.equal(exported["a.weight"], model.a.weight.detach())  # the step did move on
+
+
+def test_released_buffers_serve_the_next_stage_of_the_process():
+    """A worker kept after a failure hands its pinned buffers to its next stage: those whose
+    name, shape and dtype match are used again, the others are dropped."""
+    model, opt = trained(torch.bfloat16)
+    coord = Grid(1, 1, 1).coord(0)
+    layout = state_layout(opt, coord)
+    old = StateSnapshot()
+    old.reserve(layout, pin=False)
+    take(old, 1, model, opt)
+    old.wait()
+    kept = {n: b.data_ptr() for n, b in old._buffers.items() if n in layout}
+    released = old.release()
+    assert old._buffers == {} and set(kept) <= set(released)
+    # The next stage saves no optimizer state: its layout is a part of the old one.
+    smaller = state_layout(opt, coord, save_optimizer=False)
+    new = StateSnapshot(released)
+    new.reserve(smaller, pin=False)
+    expected = take(new, 2, model, opt, save_optimizer=False)
+    got = new.host_tensors()
+    assert set(new._buffers) == set(smaller) | {n for n in got if n.startswith("rng.")}
+    for name in smaller:
+        assert got[name].data_ptr() == kept[name] and torch.equal(got[name], expected[name]), name
+
+
+def test_read_ahead_keeps_the_order_and_raises_what_a_read_raised():
+    from raypar.runtime.state import read_ahead
+
+    def read(name: str) -> torch.Tensor:
+        if name == "bad":
+            raise KeyError(name)
+        return torch.full((2,), float(name))
+
+    names = [str(i) for i in range(40)]
+    assert [float(t[0]) for t in read_ahead(read, names, threads=4)] == [float(n) for n in names]
+    values = read_ahead(read, ["1", "bad", "3"], threads=2)
+    assert float(next(values)[0]) == 1.0
+    with pytest.raises(KeyError):
+        next(values)

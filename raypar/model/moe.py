@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar import host_wait
 from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
 
@@ -180,7 +181,7 @@ class MoE(nn.Module):
         """Rows grouped by this rank's experts, in expert order; counts per local expert."""
         # Every expert runs, also on zero rows, so each one has a (zero) gradient and all
         # replicas reduce and step the same tensors.
-        chunks = rows.split(counts.tolist())
+        chunks = rows.split(host_wait.to_host(counts, "expert split sizes").tolist())
         return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
 
     def _exchange_and_run(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -190,8 +191,8 @@ class MoE(nn.Module):
         send_counts = counts.reshape(ep, local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        send = send_counts.sum(dim=1).tolist()
-        recv = recv_counts.sum(dim=1).tolist()
+        sizes = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)])
+        send, recv = host_wait.to_host(sizes, "all-to-all split sizes").tolist()
         self.stats.alltoall_s += time.perf_counter() - t0
         received = _AllToAll.apply(rows, send, recv, group, self.stats)
         # Received rows are grouped by source rank, then expert; regroup by expert.

@@ -86,18 +86,22 @@ def build_stage(
     device: torch.device | str | None = None,
     ep_rank: int = 0,
     ep_size: int = 1,
+    init: bool = True,
 ) -> Transformer:
     """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
 
     Stage 0 holds the embedding, the last stage the final norm and head; with n_stages=1
     this is the whole model. Built on the meta device first so tensors are allocated once,
     directly on `device` (default: CPU), and never filled with a throwaway default init.
+    With `init=False` the parameters are left as allocated, for a stage whose every
+    parameter is loaded next (a checkpoint): drawing them on the CPU costs seconds.
     """
     with torch.device("meta"):
         model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
     model.to_empty(device=device if device is not None else "cpu")
     model.reset_buffers()
-    init_weights(model, cfg, seed)
+    if init:
+        init_weights(model, cfg, seed)
     return model
 
 

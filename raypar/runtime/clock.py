@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from raypar import host_wait
+
 
 class StepClock:
     def __init__(self, device: torch.device):
@@ -18,7 +20,7 @@ class StepClock:
 
     def start(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            host_wait.synchronize(torch.device("cuda"), "step start")
             self._anchor_event = torch.cuda.Event(enable_timing=True)
             self._anchor_event.record()
         self._anchor_time = time.time()
@@ -32,7 +34,7 @@ class StepClock:
 
     def finish(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            host_wait.synchronize(torch.device("cuda"), "step end")
 
     def seconds(self, mark) -> float:
         """Wall-clock time of a mark (valid after finish())."""

@@ -6,6 +6,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from raypar import host_wait
+
 
 class CollectiveTimeout(RuntimeError):
     """A peer did not take part in a p2p exchange or collective in time."""
@@ -42,8 +44,7 @@ def connect_neighbours(prev: int | None, next_: int | None, device: torch.device
     sends = [(torch.zeros(1, device=device), p) for p in peers]
     recvs = [(torch.empty(1, device=device), p) for p in peers]
     exchange(sends, recvs, timeout)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    host_wait.synchronize(device, "connecting pipeline neighbours")
 
 
 def all_reduce_(tensors: list[torch.Tensor], group, timeout: timedelta, average: bool = False) -> None:
@@ -70,8 +71,9 @@ def check_world(device: torch.device, timeout: timedelta) -> None:
     one = torch.ones(1, device=device)
     _wait(dist.all_reduce(one, async_op=True), timeout, "peer check over the world")
     world = dist.get_world_size()
-    if int(one.item()) != world:
-        raise CollectiveTimeout(f"peer check over the world summed {one.item():g}, not {world}: a peer is broken")
+    total = float(host_wait.to_host(one, "peer check over the world"))
+    if int(total) != world:
+        raise CollectiveTimeout(f"peer check over the world summed {total:g}, not {world}: a peer is broken")
 
 
 def _wait(work, timeout: timedelta, what: str) -> None:

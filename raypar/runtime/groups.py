@@ -1,6 +1,7 @@
 """Process groups of one worker, created the same way, in the same order, on every rank."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,3 +55,31 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
         prev_rank=line[me.pp - 1] if me.pp > 0 else None,
         next_rank=line[me.pp + 1] if me.pp < grid.pp - 1 else None,
     )
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process at once, then forget them (NCCL only).
+
+    torch aborts each group's communicators on a thread of that group, one group after
+    another. An idle communicator's abort then waits for the device, where a kernel of a
+    communicator not aborted yet waits for the lost peer forever: a survivor of a lost
+    pipeline neighbour never got out (bench/nccl_abort_check.py, variants `3comms` and
+    `stage`). Aborting every group at once lets every stuck kernel see its abort flag.
+    """
+    c10d = dist.distributed_c10d
+    if not dist.is_initialized():
+        return
+
+    def abort(group) -> None:
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - an abort that fails leaves the group unusable, as wanted
+            pass
+
+    threads = [threading.Thread(target=abort, args=(g,), daemon=True) for g in list(c10d._world.pg_names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # The communicators are aborted: this only drops torch's records of the groups.
+    c10d._abort_process_group()

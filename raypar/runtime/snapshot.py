@@ -25,8 +25,11 @@ Layout = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 class StateSnapshot:
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}  # by name; kept across saves, whatever they hold
+    def __init__(self, buffers: dict[str, torch.Tensor] | None = None) -> None:
+        """`buffers`: host buffers of an earlier snapshot of this process (`release`), reused
+        where a name, shape and dtype match."""
+        # By name; kept across saves, whatever they hold.
+        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         self._names: list[str] = []  # what the last snapshot holds
         self._reserving: threading.Thread | None = None
         self._lock = threading.Lock()  # one thread issues a snapshot's copies
@@ -41,6 +44,9 @@ class StateSnapshot:
         """Allocate (pinned) buffers for `layout` on a background thread; returns at once."""
         if not layout:
             return
+
+        # Buffers handed over from another layout (`release`) that this one does not use.
+        self._buffers = {n: b for n, b in self._buffers.items() if n in layout}
 
         def allocate() -> None:
             for name, (shape, dtype) in layout.items():
@@ -104,6 +110,17 @@ class StateSnapshot:
                 for name, t in tensors.items():
                     self._buffers[name].copy_(t)
                 self._event = None
+
+    def release(self) -> dict[str, torch.Tensor]:
+        """Hand the host buffers over to the next snapshot of this process, once no copy or
+        reservation is using them: a worker kept after a failure would pin them again."""
+        if self._reserving is not None:
+            self._reserving.join()
+        with self._lock:
+            if self._event is not None:
+                self._event.synchronize()
+            buffers, self._buffers, self._names = self._buffers, {}, []
+        return buffers
 
     def wait(self) -> float:
         """Block until the copies are done (issuing them if no one has); returns the seconds spent."""

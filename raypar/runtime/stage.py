@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from raypar import host_wait
 from raypar.config import Config
 from raypar.data import TokenDataset
 from raypar.kernels import sample_seeds
@@ -82,7 +83,10 @@ def _releasable(t: torch.Tensor) -> bool:
 
 class StageRuntime:
     def __init__(self, cfg: Config, grid: Grid, rank: int, groups: StageGroups,
-                 device: torch.device, dataset: TokenDataset | None):
+                 device: torch.device, dataset: TokenDataset | None, init_weights: bool = True,
+                 snapshot_buffers: dict[str, torch.Tensor] | None = None):
+        """`init_weights=False`: every parameter comes from a checkpoint loaded next (`load_checkpoint`).
+        `snapshot_buffers`: this process's earlier stage's host buffers (`StateSnapshot.release`)."""
         self.cfg = cfg
         self.grid = grid
         self.rank = rank
@@ -96,11 +100,12 @@ class StageRuntime:
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
 
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
-                                 seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep)
+                                 seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
+                                 init=init_weights)
         self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
-        if cfg.model.init_from:
+        if cfg.model.init_from and init_weights:
             from raypar.hf import load_hf_weights
 
             names = [n for n, _ in self.model.named_parameters()]  # this stage's and ep rank's share
@@ -113,7 +118,7 @@ class StageRuntime:
         self.tracker = ActivationTracker(list(self.model.parameters()))
         self.act_dtype = next(self.model.parameters()).dtype
         self.clock = StepClock(device)
-        self.snapshot = StateSnapshot()
+        self.snapshot = StateSnapshot(snapshot_buffers)
         c = cfg.checkpoint
         if device.type == "cuda" and (c.every > 0 or c.ema_decay > 0):
             # Pinned buffers for the first save, allocated while the first steps run.
@@ -168,8 +173,10 @@ class StageRuntime:
             # The step loss is the mean of the micro-batch losses: aux losses scale alike.
             moe.aux_scale = 1.0 / n_mb
         self.clock.start()
+        where = f"stage {self.stage}: step {step}"
         for unit in self._units:
             head = unit[0]
+            host_wait.check(where)  # a recovery cancelled the step: stop issuing its work
             begin = self.clock.mark()
             if head.is_comm:
                 self._exchange(unit, inputs, outputs, grad_out)
@@ -313,7 +320,7 @@ class StageRuntime:
         captured = None
         if capture:
             captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
-        return float(sq.sqrt()), captured
+        return float(host_wait.to_host(sq.sqrt(), "gradient norm")), captured
 
     # -- state ---------------------------------------------------------------------------
 
