@@ -381,7 +381,7 @@ class Controller:
     def _recovered(self, workers_s: float, load_s: float) -> None:
         """STARTING done after a failure: where the recovery resumed and what its phases took."""
         if self._recovery is not None:
-            # The slowest worker's setup, by phase: what "workers up" was made of.
+            # Each setup phase's longest over the workers: what "workers up" was made of.
             setups = [i["setup_s"] for i in self.trainer.group.info if "setup_s" in i]
             setup_s = {k: max(s[k] for s in setups) for k in setups[0]} if setups else {}
             self._recovery.update(grid=str(self.trainer.grid), resumed_step=self.trainer.start_step,

@@ -313,7 +313,7 @@ class Trainer:
         self.start_step = manifest.step
         return manifest.step, manifest.consumed_samples
 
-    def _checkpoint_path(self, spec: str | None):
+    def _checkpoint_path(self, spec: str | None) -> Path | None:
         """The checkpoint `resume(spec)` loads, or None when the run starts from step 0."""
         from raypar.checkpoint import latest, resolve
 

@@ -125,6 +125,9 @@ def test_recovery_keeps_the_surviving_workers(ray_session, tmp_path, data, unint
     print(f"\nrecovery keeping survivors: detected in {event['detection_s']:.2f}s, recovered in "
           f"{event['recovery_s']:.2f}s, {event['workers_kept']} workers kept, {event['workers_started']} started")
     assert event["workers_kept"] == 3 and event["workers_started"] == 1
+    # Setup's phases, each the longest over the workers, happen within "workers up".
+    assert set(event["setup_s"]) == {"groups", "data_kernels", "build", "connect"}
+    assert max(event["setup_s"].values()) <= event["workers_s"] <= event["recovery_s"]
     assert [a == b for a, b in zip(watch.before, watch.after)] == [True, False, True, True]
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)

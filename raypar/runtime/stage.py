@@ -98,6 +98,7 @@ class StageRuntime:
         self.device = device
         self.dataset = dataset
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
+        t0 = time.perf_counter()
 
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
@@ -127,8 +128,11 @@ class StageRuntime:
         self._mb = -1
         self.set_program([])
         self._seeds: tuple[torch.Tensor, ...] | None = None
+        t1 = time.perf_counter()
         connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
         check_world(device, self.timeout)  # also connects the world's communicator before any step
+        # Building the stage and optimizer; connecting (waiting for the peers to get here too).
+        self.setup_s = {"build": t1 - t0, "connect": time.perf_counter() - t1}
 
     # -- one step --------------------------------------------------------------------
 
