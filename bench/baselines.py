@@ -35,8 +35,10 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "on CPU every process or worker gets one thread, so one 'device' is one core. "
          "raypar / torch: raypar's tokens/s over torch.distributed.pipelining's for the same schedule. "
          "Stage costs: one micro-batch through each stage alone, the GPU's time (host let ahead) and the host's "
-         "time to issue it; when they are close, steps go at the host's speed. Breakdown: from each raypar run's "
-         "events.jsonl; compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone).")
+         "time to issue it; when they are close, steps go at the host's speed. Breakdown: raypar's from each run's "
+         "events.jsonl (window: first unit to last backward); torch's from events around its schedule's step "
+         "(window), the norm's all-reduce and the optimizer; compute vs alone = forward + backward per step / "
+         "(micro-batches x the stage's cost alone).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -108,7 +110,7 @@ def compare(rows: list[dict], cfg: "Config") -> None:
         r["vs_ideal_2_stage"] = r["tokens_per_s"] / (2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1)))
     costs = next((r for r in rows if r.get("kind") == "stage_costs" and "gpu_ms" in r), None)
     for r in rows:
-        if costs is not None and r.get("breakdown"):
+        if costs is not None and r.get("breakdown") and r.get("kind") != "torch":
             # Compute units' spans against the same work alone: above 1, the GPU waited inside them.
             for stage in r["breakdown"]:
                 stage["compute_vs_alone"] = ((stage["forward_ms"] + stage["backward_ms"])
@@ -243,8 +245,9 @@ def step_breakdown(run_dir: str) -> list[dict]:
     """Where a raypar run's steps went, per stage: mean ms per step over the steps after the
     first, from the run's events.jsonl (each program unit's span on the device).
 
-    forward, backward: compute units; window idle: the rest of the span from the stage's first
-    unit to its last backward (exchanges and waits for the other stage, the bubble);
+    window: from the stage's first unit to its last backward; forward, backward: its compute
+    units; window idle: the rest of the window (exchanges and waits for the other stage, the
+    bubble);
     gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
     backward) and STEP; between steps: from the end of one step's last unit to the next
     step's first (the step's return, the next call, loading its batch).
@@ -275,6 +278,7 @@ def step_breakdown(run_dir: str) -> list[dict]:
                 forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
                 into["forward_ms"].append(forward)
                 into["backward_ms"].append(backward)
+                into["window_ms"].append(1000 * (last_backward - first))
                 into["window_idle_ms"].append(1000 * (last_backward - first) - forward - backward)
                 into["grad_norm_ms"].append(span(lambda label: label == "REDUCE_GRAD"))
                 into["optimizer_ms"].append(span(lambda label: label == "STEP"))
@@ -334,10 +338,19 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
     for label, schedule in zip(labels, schedules):
         first, last = results[0][schedule], results[1][schedule]
         times = [max(a, b) for a, b in zip(first["times"], last["times"])]
+        breakdown = [{"stage": rank, **_mean_after_first(results[rank][schedule]["phases"])} for rank in (0, 1)]
         rows.append({"label": label, "kind": "torch", "schedule": "1f1b" if schedule == "Schedule1F1B" else "fthenb",
                      "device": device, "microbatches": cfg.parallel.microbatches, **_rates(times, cfg),
-                     "losses": last["losses"], "final_loss": last["losses"][-1], "config": cfg.to_dict()})
+                     "losses": last["losses"], "final_loss": last["losses"][-1], "breakdown": breakdown,
+                     "config": cfg.to_dict()})
     return rows
+
+
+def _mean_after_first(phases: list[dict]) -> dict:
+    """Each phase's mean over the steps after the first (which pays for warm-up)."""
+    later = phases[1:] or phases
+    return {k: sum(p[k] for p in later if p[k] is not None) / max(1, sum(p[k] is not None for p in later))
+            for k in later[0]}
 
 
 def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str], data_path: str, device_kind: str,
@@ -393,27 +406,56 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
     sched = getattr(pipelining, schedule)(stage, m, loss_fn=loss_fn, scale_grads=False)
     dataset = TokenDataset(data_path, cfg.data.seq_len)
     order = SampleOrder(len(dataset), cfg.train.seed, shuffle=cfg.data.shuffle)
-    times, losses = [], []
+    times, losses, marks = [], [], []
     # Timed as raypar's steps are: from one step's end to the next's, loading its batch included.
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(cfg.train.steps):
         tokens, labels = dataset.get(order.indices(step * gbs, gbs))
+        tokens, labels = tokens.to(device), labels.to(device)
+        start = _mark(device)
         if rank == 0:
-            sched.step(tokens.to(device))
+            sched.step(tokens)
         else:
             mb_losses: list[torch.Tensor] = []
-            sched.step(target=labels.to(device), losses=mb_losses)
+            sched.step(target=labels, losses=mb_losses)
+        window_end = _mark(device)
+        if rank == 1:
             losses.append(float(sum(x.detach().float() for x in mb_losses)))
         sq = optimizer.local_sq_norm()
         dist.all_reduce(sq)  # the global norm over both stages, for clipping
-        optimizer.step(step, float(sq.sqrt()))
+        norm = float(sq.sqrt())
+        norm_end = _mark(device)
+        optimizer.step(step, norm)
+        marks.append((start, window_end, norm_end, _mark(device)))
         _sync(device)
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now
-    return {"times": times, "losses": losses}
+    return {"times": times, "losses": losses, "phases": _phases(marks, device)}
+
+
+def _mark(device: torch.device):
+    """A point in the step: a CUDA event on GPU (when the device gets there), else the clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _phases(marks: list[tuple], device: torch.device) -> list[dict]:
+    """ms per step of the schedule's window (its forwards, backwards and exchanges), the
+    gradient norm, the optimizer, and the gap since the step before, from `_mark` points."""
+    ms = ((lambda a, b: a.elapsed_time(b)) if device.type == "cuda"
+          else (lambda a, b: 1000 * (b - a)))
+    phases = []
+    for i, (start, window_end, norm_end, end) in enumerate(marks):
+        phases.append({"window_ms": ms(start, window_end), "grad_norm_ms": ms(window_end, norm_end),
+                       "optimizer_ms": ms(norm_end, end),
+                       "between_steps_ms": ms(marks[i - 1][3], start) if i > 0 else None})
+    return phases
 
 
 def _free_port() -> int:
@@ -443,13 +485,13 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(r, 'final_loss', '{:.4f}')} |")
     broken = [r for r in rows if r.get("breakdown")]
     if broken:
-        lines += ["", "Where raypar's step goes, per stage (ms per step, mean over the steps after the first):", "",
-                  "| run | stage | forward | backward | compute vs alone | window idle | gradient norm | optimizer | "
-                  "between steps |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",
+                  "| run | stage | window | forward | backward | compute vs alone | window idle | gradient norm | "
+                  "optimizer | between steps |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in broken:
             for b in r["breakdown"]:
-                lines.append(f"| {r['label']} | {b['stage']} | {b['forward_ms']:.1f} | {b['backward_ms']:.1f} | "
-                             f"{fmt(b, 'compute_vs_alone', '{:.2f}')} | {b['window_idle_ms']:.1f} | "
-                             f"{b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
+                lines.append(f"| {r['label']} | {b['stage']} | {b['window_ms']:.1f} | {fmt(b, 'forward_ms', '{:.1f}')} | "
+                             f"{fmt(b, 'backward_ms', '{:.1f}')} | {fmt(b, 'compute_vs_alone', '{:.2f}')} | "
+                             f"{fmt(b, 'window_idle_ms', '{:.1f}')} | {b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
                              f"{fmt(b, 'between_steps_ms', '{:.2f}')} |")
     return "\n".join(lines)
