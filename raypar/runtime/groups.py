@@ -76,6 +76,7 @@ def abort_groups() -> None:
         except Exception:  # noqa: BLE001 - an abort that fails leaves the group unusable, as wanted
             pass
 
+    # Every group of the process, the world's included: torch lists them only privately.
     threads = [threading.Thread(target=abort, args=(g,), daemon=True) for g in list(c10d._world.pg_names)]
     for t in threads:
         t.start()
