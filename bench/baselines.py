@@ -264,7 +264,7 @@ def step_breakdown(run_dir: str) -> list[dict]:
             if line.strip():
                 record = json.loads(line)
                 by_rank[record["rank"]].append(record)
-    sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    by_stage: dict[int, list[dict]] = defaultdict(list)
     for records in by_rank.values():
         records.sort(key=lambda r: r["step"])
         previous_end = None
@@ -273,20 +273,26 @@ def step_breakdown(run_dir: str) -> list[dict]:
             span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
             first, last = min(b for _, b, _ in events), max(e for _, _, e in events)
             last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
+            forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
+            window = 1000 * (last_backward - first)
             if i > 0:  # the first step pays for warm-up
-                into = sums[r["pp"]]
-                forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
-                into["forward_ms"].append(forward)
-                into["backward_ms"].append(backward)
-                into["window_ms"].append(1000 * (last_backward - first))
-                into["window_idle_ms"].append(1000 * (last_backward - first) - forward - backward)
-                into["grad_norm_ms"].append(span(lambda label: label == "REDUCE_GRAD"))
-                into["optimizer_ms"].append(span(lambda label: label == "STEP"))
-                if previous_end is not None:
-                    into["between_steps_ms"].append(1000 * (first - previous_end))
+                by_stage[r["pp"]].append({
+                    "forward_ms": forward, "backward_ms": backward, "window_ms": window,
+                    "window_idle_ms": window - forward - backward,
+                    "grad_norm_ms": span(lambda label: label == "REDUCE_GRAD"),
+                    "optimizer_ms": span(lambda label: label == "STEP"),
+                    "between_steps_ms": 1000 * (first - previous_end)})
             previous_end = last
-    return [{"stage": stage, **{k: sum(v) / len(v) for k, v in sorted(fields.items())}}
-            for stage, fields in sorted(sums.items())]
+    return [{"stage": stage, **_mean(phases)} for stage, phases in sorted(by_stage.items())]
+
+
+def _mean(phases: list[dict]) -> dict:
+    """Each phase's mean over the steps given, leaving out those without it (None)."""
+    out = {}
+    for k in phases[0]:
+        values = [p[k] for p in phases if p[k] is not None]
+        out[k] = sum(values) / len(values) if values else None
+    return out
 
 
 # -- (b) torch.distributed.pipelining ----------------------------------------------------------
@@ -338,19 +344,14 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
     for label, schedule in zip(labels, schedules):
         first, last = results[0][schedule], results[1][schedule]
         times = [max(a, b) for a, b in zip(first["times"], last["times"])]
-        breakdown = [{"stage": rank, **_mean_after_first(results[rank][schedule]["phases"])} for rank in (0, 1)]
+        steps = [results[rank][schedule]["phases"] for rank in (0, 1)]
+        # The first step pays for warm-up.
+        breakdown = [{"stage": rank, **_mean(phases[1:] or phases)} for rank, phases in enumerate(steps)]
         rows.append({"label": label, "kind": "torch", "schedule": "1f1b" if schedule == "Schedule1F1B" else "fthenb",
                      "device": device, "microbatches": cfg.parallel.microbatches, **_rates(times, cfg),
                      "losses": last["losses"], "final_loss": last["losses"][-1], "breakdown": breakdown,
                      "config": cfg.to_dict()})
     return rows
-
-
-def _mean_after_first(phases: list[dict]) -> dict:
-    """Each phase's mean over the steps after the first (which pays for warm-up)."""
-    later = phases[1:] or phases
-    return {k: sum(p[k] for p in later if p[k] is not None) / max(1, sum(p[k] is not None for p in later))
-            for k in later[0]}
 
 
 def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str], data_path: str, device_kind: str,

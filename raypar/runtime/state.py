@@ -83,7 +83,7 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
     """
     missing_optim, plan = [], []
-    for (name, _), _ in zip(optimizer.named_params, optimizer.master):
+    for name, _ in optimizer.named_params:
         if name not in names:
             raise KeyError(name)
         plan.append(f"master.{name}" if optimizer.mixed and f"master.{name}" in names else name)
@@ -97,7 +97,7 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
             master.copy_(next(values))
             if master is not param:
                 param.copy_(master)
-            if f"optim.exp_avg.{name}" in names:
+            if name not in missing_optim:
                 state = optimizer.optimizer.state[master]
                 for key in ADAM_STATE:
                     state[key] = next(values).to(device)
