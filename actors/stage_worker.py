@@ -69,10 +69,12 @@ class StageWorker:
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
         taking a lost worker's place costs only `setup`: what torch imports on first building a
-        stage (a meta-device build: no memory), the data, the CUDA context and the kernels."""
-        from raypar.model.partition import stage_param_names
+        stage (a meta-device build: no memory), the data, the CUDA context, the kernels and
+        the pinned buffers of checkpoint snapshots (seconds for a 1B model's stage)."""
+        from raypar.runtime.snapshot import pinned_buffers
+        from raypar.runtime.state import snapshot_shapes_for_any_stage, takes_snapshots
 
-        stage_param_names(self.cfg.model, 0, self.grid.pp, self.cfg.parallel.layers_per_stage)
+        shapes = snapshot_shapes_for_any_stage(self.cfg, self.grid)  # also imports what building needs
         if self._dataset is None:
             self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
         if self.device.type == "cuda":
@@ -84,6 +86,8 @@ class StageWorker:
             out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
             (out @ x.transpose(-1, -2)).sum().backward()
             torch.cuda.synchronize(self.device)
+            if takes_snapshots(self.cfg):
+                self._snapshot_buffers = pinned_buffers(shapes)
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""

@@ -250,7 +250,9 @@ def step_breakdown(run_dir: str) -> list[dict]:
     bubble);
     gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
     backward) and STEP; between steps: from the end of one step's last unit to the next
-    step's first (the step's return, the next call, loading its batch).
+    step's first, in three parts: to the step's report (waiting for the device, reading
+    its timings), from the report to the next call's start (Ray's return and dispatch), and
+    from there to the first unit (loading the batch, the step's set-up).
     """
     import json
     from collections import defaultdict
@@ -267,11 +269,12 @@ def step_breakdown(run_dir: str) -> list[dict]:
     by_stage: dict[int, list[dict]] = defaultdict(list)
     for records in by_rank.values():
         records.sort(key=lambda r: r["step"])
-        previous_end = None
+        previous_end = previous_report = None
         for i, r in enumerate(records):
             events = r["events"]
             span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
             first, last = min(b for _, b, _ in events), max(e for _, _, e in events)
+            called, reported = r["call"]
             last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
             forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
             window = 1000 * (last_backward - first)
@@ -281,8 +284,12 @@ def step_breakdown(run_dir: str) -> list[dict]:
                     "window_idle_ms": window - forward - backward,
                     "grad_norm_ms": span(lambda label: label == "REDUCE_GRAD"),
                     "optimizer_ms": span(lambda label: label == "STEP"),
-                    "between_steps_ms": 1000 * (first - previous_end)})
+                    "between_steps_ms": 1000 * (first - previous_end),
+                    "to_report_ms": 1000 * (previous_report - previous_end),
+                    "to_next_call_ms": 1000 * (called - previous_report),
+                    "to_first_unit_ms": 1000 * (first - called)})
             previous_end = last
+            previous_report = reported
     return [{"stage": stage, **_mean(phases)} for stage, phases in sorted(by_stage.items())]
 
 
@@ -467,6 +474,11 @@ def _free_port() -> int:
 
 def table(rows: list[dict]) -> str:
     fmt = lambda r, k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
+
+    def between(b: dict) -> str:
+        parts = [b.get(k) for k in ("to_report_ms", "to_next_call_ms", "to_first_unit_ms")]
+        split = f" ({' / '.join(f'{p:.2f}' for p in parts)})" if None not in parts else ""
+        return fmt(b, "between_steps_ms", "{:.2f}") + split
     lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
              "final loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -488,11 +500,12 @@ def table(rows: list[dict]) -> str:
     if broken:
         lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",
                   "| run | stage | window | forward | backward | compute vs alone | window idle | gradient norm | "
-                  "optimizer | between steps |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "optimizer | between steps (to report / to next call / to first unit) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in broken:
             for b in r["breakdown"]:
                 lines.append(f"| {r['label']} | {b['stage']} | {b['window_ms']:.1f} | {fmt(b, 'forward_ms', '{:.1f}')} | "
                              f"{fmt(b, 'backward_ms', '{:.1f}')} | {fmt(b, 'compute_vs_alone', '{:.2f}')} | "
                              f"{fmt(b, 'window_idle_ms', '{:.1f}')} | {b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
-                             f"{fmt(b, 'between_steps_ms', '{:.2f}')} |")
+                             f"{between(b)} |")
     return "\n".join(lines)

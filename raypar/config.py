@@ -160,7 +160,8 @@ class ElasticConfig:
     survivor_timeout_s: float = 15.0
     # Stage-worker processes started beside the grid and kept idle, each holding one worker's
     # resources (a GPU on GPU runs), to replace a lost worker without starting a process, CUDA
-    # and kernels then. Used when survivors are kept; replaced from the lost worker's resources.
+    # and kernels then. On GPU each also pins host memory for the largest stage's checkpoint
+    # snapshots. Used when survivors are kept; replaced from the lost worker's resources.
     standby_workers: int = 0
 
 

@@ -349,7 +349,7 @@ class Trainer:
             for r in reports:
                 c = grid.coord(r.rank)
                 events_out.write(json.dumps({"step": step, "rank": r.rank, "dp": c.dp, "pp": c.pp, "ep": c.ep,
-                                             "events": r.events}) + "\n")
+                                             "events": r.events, "call": [r.called, r.reported]}) + "\n")
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         worker_time = max(r.wall_s for r in reports)
         by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731

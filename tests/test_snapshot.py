@@ -138,3 +138,35 @@ def test_read_ahead_keeps_the_order_and_raises_what_a_read_raised():
     assert float(next(values)[0]) == 1.0
     with pytest.raises(KeyError):
         next(values)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_standbys_buffers_serve_whichever_stage_it_takes_over(tmp_path, moe):
+    """A standby pins buffers before it knows its stage (`snapshot_shapes_for_any_stage`):
+    every stage's layout is then served by them, by shape and dtype, with nothing allocated,
+    and they hold less than the whole model's state."""
+    from helpers import tiny_config
+
+    from raypar.model import build_stage
+    from raypar.runtime.snapshot import pinned_buffers
+    from raypar.runtime.state import snapshot_shapes_for_any_stage
+
+    model_cfg = {"dtype": "bfloat16", "n_layers": 5}
+    if moe:
+        model_cfg.update(n_experts=4, moe_every=2)
+    cfg = tiny_config(tmp_path, model=model_cfg, parallel={"pp": 3, "ep": 2 if moe else 1})
+    grid = Grid(1, 3, cfg.parallel.ep)
+    shapes = snapshot_shapes_for_any_stage(cfg, grid)
+    whole = 0
+    for stage in range(grid.pp):
+        rank = next(r for r in range(grid.size) if grid.coord(r).pp == stage and grid.coord(r).ep == 0)
+        model = build_stage(cfg.model, stage, grid.pp, ep_rank=0, ep_size=grid.ep)
+        layout = state_layout(MasterOptimizer(model, cfg.train), grid.coord(rank))
+        whole += len(layout)
+        spares = pinned_buffers(shapes, pin=False)
+        snap = StateSnapshot(spares)
+        snap.reserve(layout, pin=False)
+        snap._reserving.join()
+        assert {n: (b.shape, b.dtype) for n, b in snap._buffers.items()} == layout
+        assert {b.data_ptr() for b in snap._buffers.values()} <= {b.data_ptr() for b in spares.values()}
+    assert len(shapes) < whole

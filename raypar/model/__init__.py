@@ -1,7 +1,7 @@
 """The model: a Llama-style transformer that builds whole or as pipeline stages."""
 from __future__ import annotations
 
-from raypar.model.partition import PartitionError, build_stage, split_layers, stage_param_names
+from raypar.model.partition import PartitionError, build_stage, split_layers, stage_param_names, stage_param_shapes
 from raypar.model.transformer import (
     Attention,
     Block,
@@ -34,4 +34,5 @@ __all__ = [
     "rope_tables",
     "split_layers",
     "stage_param_names",
+    "stage_param_shapes",
 ]

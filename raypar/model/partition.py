@@ -8,7 +8,7 @@ import torch
 from raypar.config import ModelConfig
 from raypar.model.transformer import Transformer, init_weights
 
-__all__ = ["PartitionError", "split_layers", "build_stage", "stage_param_names"]
+__all__ = ["PartitionError", "split_layers", "build_stage", "stage_param_names", "stage_param_shapes"]
 
 
 class PartitionError(ValueError):
@@ -109,6 +109,14 @@ def stage_param_names(
     cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
 ) -> list[str]:
     """Global parameter names of a stage, without allocating any tensor."""
+    return [name for name, _, _ in stage_param_shapes(cfg, stage, n_stages, layers_per_stage)]
+
+
+def stage_param_shapes(
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None,
+    ep_rank: int = 0, ep_size: int = 1,
+) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage)
-    return [name for name, _ in model.named_parameters()]
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
+    return [(name, p.shape, p.dtype) for name, p in model.named_parameters()]

@@ -9,12 +9,14 @@ pinned buffers that are reused across saves; on CPU they are plain copies.
 
 Pinning host memory is slow (seconds for the gigabytes of a 1B model's state), so the
 buffers can be reserved ahead, on a background thread, from the state's expected layout
-(`reserve`); a snapshot that comes before they are ready waits for them.
+(`reserve`); a snapshot that comes before they are ready waits for them. Buffers a process
+already holds (an earlier stage's, a standby's) are reused where a shape and dtype match.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -45,13 +47,21 @@ class StateSnapshot:
         if not layout:
             return
 
-        # Buffers handed over from another layout (`release`) that this one does not use.
-        self._buffers = {n: b for n, b in self._buffers.items() if n in layout}
+        # Buffers handed over (`release`, `pinned_buffers`) that fit no name of this layout
+        # take the place of another name of their shape and dtype; the rest are dropped.
+        held, self._buffers = self._buffers, {}
+        spares: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for name, buf in held.items():
+            if layout.get(name) == (buf.shape, buf.dtype):
+                self._buffers[name] = buf
+            else:
+                spares[buf.shape, buf.dtype].append(buf)
 
         def allocate() -> None:
             for name, (shape, dtype) in layout.items():
                 if not self._fits(name, shape, dtype):
-                    self._buffers[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                    fitting = spares.get((shape, dtype))
+                    self._buffers[name] = fitting.pop() if fitting else torch.empty(shape, dtype=dtype, pin_memory=pin)
 
         self._reserving = threading.Thread(target=allocate, name="snapshot-reserve", daemon=True)
         self._reserving.start()
@@ -134,3 +144,9 @@ class StateSnapshot:
     def host_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
         return {name: self._buffers[name] for name in self._names}
+
+
+def pinned_buffers(shapes: list[tuple[torch.Size, torch.dtype]], pin: bool = True) -> dict[str, torch.Tensor]:
+    """Host buffers of these shapes, for a `StateSnapshot` whose names are not known yet: its
+    `reserve` gives each a name of its shape and dtype (a standby pins them while it waits)."""
+    return {f"spare.{i}": torch.empty(shape, dtype=dtype, pin_memory=pin) for i, (shape, dtype) in enumerate(shapes)}

@@ -27,7 +27,7 @@ from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, ex
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors
+from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors, takes_snapshots
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
 
@@ -47,6 +47,8 @@ class StepReport:
     start: float  # program start (wall clock)
     end_of_backward: float  # end of the last B (wall clock)
     wall_s: float  # whole run_step, optimizer included
+    called: float  # wall clock when the worker began this step (before its batch was loaded)
+    reported: float  # wall clock when this report was made (the device done with the step)
     peak_activation_bytes: int
     peak_device_bytes: int
     peak_live_microbatches: int  # micro-batches whose forward ran and whose backward has not
@@ -121,7 +123,7 @@ class StageRuntime:
         self.clock = StepClock(device)
         self.snapshot = StateSnapshot(snapshot_buffers)
         c = cfg.checkpoint
-        if device.type == "cuda" and (c.every > 0 or c.ema_decay > 0):
+        if device.type == "cuda" and takes_snapshots(cfg):
             # Pinned buffers for the first save, allocated while the first steps run.
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
@@ -226,12 +228,13 @@ class StageRuntime:
         a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
         self.tracker.clear()
         inputs.clear(), outputs.clear(), grad_out.clear()
+        reported = time.time()
         return StepReport(
             rank=self.rank, stage=self.stage, step=step, losses=loss_values, times=times,
             compute_s=compute,
             start=times[0] if times else t_start,
             end_of_backward=self.clock.seconds(last_backward) if last_backward is not None else t_start,
-            wall_s=time.time() - t_start,
+            wall_s=reported - t_start, called=t_start, reported=reported,
             peak_activation_bytes=peak_act,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             peak_live_microbatches=peak_live, released_outputs=released,

@@ -8,14 +8,17 @@ rank 0 write everything else.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from raypar.config import Config
+from raypar.model import stage_param_shapes
 from raypar.optim import MasterOptimizer, is_expert_param
-from raypar.topology import Coord
+from raypar.runtime.snapshot import Layout
+from raypar.topology import Coord, Grid
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
@@ -59,18 +62,44 @@ def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer: bool = True,
-                 save_master: bool = True) -> dict[str, tuple[torch.Size, torch.dtype]]:
+                 save_master: bool = True) -> Layout:
     """Shape and dtype of the parameter-shaped tensors `state_tensors` will return, known
     before the first optimizer step creates AdamW's moments (shaped like the masters)."""
-    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
-    for name, param, master in _written(optimizer, coord):
-        out[name] = (param.shape, param.dtype)
-        if optimizer.mixed and save_master:
-            out[f"master.{name}"] = (master.shape, master.dtype)
+    params = [(name, param.shape, param.dtype) for name, param, _ in _written(optimizer, coord)]
+    return params_layout(params, optimizer.mixed, save_optimizer, save_master)
+
+
+def params_layout(params: Iterable[tuple[str, torch.Size, torch.dtype]], mixed: bool, save_optimizer: bool = True,
+                  save_master: bool = True) -> Layout:
+    """`state_layout` from parameters' (name, shape, dtype) alone (e.g. a meta-device stage's)."""
+    out: Layout = {}
+    for name, shape, dtype in params:
+        out[name] = (shape, dtype)
+        master_dtype = torch.float32 if mixed else dtype  # mixed: fp32 masters; else the parameter is its master
+        if mixed and save_master:
+            out[f"master.{name}"] = (shape, master_dtype)
         if save_optimizer:
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"optim.{key}.{name}"] = (master.shape, master.dtype)
+                out[f"optim.{key}.{name}"] = (shape, master_dtype)
     return out
+
+
+def takes_snapshots(cfg: Config) -> bool:
+    """Whether a run copies state to host: checkpoint saves or an EMA of the weights."""
+    return cfg.checkpoint.every > 0 or cfg.checkpoint.ema_decay > 0
+
+
+def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid) -> list[tuple[torch.Size, torch.dtype]]:
+    """Host buffers enough for the snapshot of whichever cell of `grid` a worker is given:
+    each (shape, dtype) as often as the stage that needs it most, at dp and ep rank 0 (the
+    ranks that write the most). A standby pins them while it waits."""
+    c = cfg.checkpoint
+    most: Counter = Counter()
+    for stage in range(grid.pp):
+        params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep)
+        mixed = any(dtype != torch.float32 for _, _, dtype in params)
+        most |= Counter(params_layout(params, mixed, c.save_optimizer, c.save_master).values())
+    return list(most.elements())
 
 
 def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | None, device: torch.device,
