@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -15,6 +16,7 @@ from raypar import host_wait, kernels
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.runtime.groups import abort_groups, build_groups, init_world
+from raypar.runtime.profile import profiled
 from raypar.runtime.stage import StepReport, StageRuntime
 from raypar.schedule import Action
 from raypar.topology import Grid
@@ -141,7 +143,12 @@ class StageWorker:
             raise ProgramVersionError(f"rank {self.rank}: step {step} is for program version {version}, this worker "
                                       f"holds version {self.program_version} (set_programs was not called)")
         try:
-            report = self.runtime.run_step(step, sample_ids, capture_grads)
+            if step == self.cfg.runtime.profile_step:
+                trace = Path(self.cfg.runtime.run_dir) / "profile" / f"rank{self.rank}-step{step}.json"
+                with profiled(trace, self.device.type == "cuda"):
+                    report = self.runtime.run_step(step, sample_ids, capture_grads)
+            else:
+                report = self.runtime.run_step(step, sample_ids, capture_grads)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
         except BaseException as e:

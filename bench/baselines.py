@@ -17,7 +17,9 @@ import os
 import socket
 import time
 import traceback
+from contextlib import nullcontext
 from datetime import timedelta
+from pathlib import Path
 from queue import Empty
 from typing import TYPE_CHECKING
 
@@ -71,7 +73,52 @@ def run(ctx: "Context") -> list[dict]:
                             lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
     if ctx.repeats > 1:
         rows = combine_launches(rows)
+    if ctx.profile:
+        rows += profile_rows(ctx, schedules, data_path)
     compare(rows, cfg)
+    return rows
+
+
+# The step profiled with --profile: the first steps pay for warm-up.
+PROFILED_STEP = 2
+
+
+def profile_rows(ctx: "Context", schedules: list[tuple[str, str]], data_path: str) -> list[dict]:
+    """One more launch each of raypar and torch, with step PROFILED_STEP under torch.profiler
+    (so not timed with the others): each stage's kernel time by kind and the device's busy
+    time (`raypar.runtime.profile.device_time`), with the traces' paths."""
+    from raypar.runtime.profile import device_time
+
+    rows: list[dict] = []
+    steps = PROFILED_STEP + 1
+    for schedule, _ in schedules:
+        label = f"raypar {schedule}, step {PROFILED_STEP} profiled"
+
+        def raypar_profile(label=label, schedule=schedule) -> dict:
+            c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true",
+                            f"runtime.profile_step={PROFILED_STEP}"], f"raypar {schedule} profiled", steps=steps)
+            c.data.path = data_path
+            ctx.fit(c, label, fresh=True)
+            traces = [Path(c.runtime.run_dir) / "profile" / f"rank{r}-step{PROFILED_STEP}.json" for r in range(2)]
+            return {"label": label, "kind": "profile", "schedule": schedule, "traces": [str(t) for t in traces],
+                    "stages": [{"stage": r, **device_time(t)} for r, t in enumerate(traces)]}
+
+        rows += ctx.attempt(label, raypar_profile)
+    names = [n for _, n in schedules]
+    cfg = ctx.config([f"parallel.schedule={schedules[0][0]}"], "torch profiled", steps=steps)
+    trace_dir = ctx.work / "torch-profiled"
+    # One launch for both schedules, as the timed rows: each profiles its own step PROFILED_STEP.
+    torch_rows = ctx.attempt("torch.distributed.pipelining profiled",
+                             lambda: pipelining_rows(cfg, names, data_path, ctx, profile_dir=str(trace_dir)))
+    for r in torch_rows:
+        if "error" in r or "skipped" in r or "unavailable" in r:
+            rows.append({**r, "label": r["label"] + f", step {PROFILED_STEP} profiled", "kind": "profile"})
+            continue
+        name = r["label"].split()[-1]
+        traces = [trace_dir / f"{name}-rank{rank}.json" for rank in range(2)]
+        rows.append({"label": f"{r['label']}, step {PROFILED_STEP} profiled", "kind": "profile",
+                     "schedule": r["schedule"], "traces": [str(t) for t in traces],
+                     "stages": [{"stage": rank, **device_time(t)} for rank, t in enumerate(traces)]})
     return rows
 
 
@@ -305,9 +352,11 @@ def _mean(phases: list[dict]) -> dict:
 # -- (b) torch.distributed.pipelining ----------------------------------------------------------
 
 
-def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "Context") -> list[dict]:
+def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "Context",
+                    profile_dir: str | None = None) -> list[dict]:
     """Two spawned processes, one stage each, running each schedule from the same initial
-    weights in turn; a step ends when both ranks are done with it."""
+    weights in turn; a step ends when both ranks are done with it. With `profile_dir`, step
+    PROFILED_STEP of each schedule is profiled into `<dir>/<schedule>-rank<r>.json`."""
     import torch.multiprocessing as mp
 
     labels = [f"torch.distributed.pipelining {s}" for s in schedules]
@@ -317,7 +366,8 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
     port = _free_port()
-    procs = [spawn.Process(target=pipelining_worker, args=(rank, port, cfg.to_dict(), schedules, data_path, device, queue),
+    procs = [spawn.Process(target=pipelining_worker,
+                           args=(rank, port, cfg.to_dict(), schedules, data_path, device, queue, profile_dir),
                            daemon=True) for rank in range(2)]
     for p in procs:
         p.start()
@@ -362,7 +412,7 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
 
 
 def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str], data_path: str, device_kind: str,
-                      queue) -> None:
+                      queue, profile_dir: str | None = None) -> None:
     """One pipeline stage in its own process; puts (rank, {schedule: result}) or (rank, error) on `queue`."""
     import torch.distributed as dist
 
@@ -379,7 +429,8 @@ def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str]
                                 rank=rank, world_size=2, timeout=timedelta(seconds=300))
         results = {}
         for schedule in schedules:
-            results[schedule] = _train_stage(rank, cfg_dict, schedule, data_path, device)
+            trace = Path(profile_dir) / f"{schedule}-rank{rank}.json" if profile_dir else None
+            results[schedule] = _train_stage(rank, cfg_dict, schedule, data_path, device, trace)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         queue.put((rank, results))
@@ -390,7 +441,8 @@ def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str]
             dist.destroy_process_group()
 
 
-def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, device: torch.device) -> dict:
+def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, device: torch.device,
+                 trace: Path | None = None) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed import pipelining
@@ -399,6 +451,7 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
     from raypar.data import SampleOrder, TokenDataset
     from raypar.model import build_stage
     from raypar.optim import MasterOptimizer
+    from raypar.runtime.profile import profiled
 
     cfg = config_from_dict(cfg_dict)
     m, gbs = cfg.parallel.microbatches, cfg.train.global_batch_size
@@ -422,22 +475,24 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
     for step in range(cfg.train.steps):
         tokens, labels = dataset.get(order.indices(step * gbs, gbs))
         tokens, labels = tokens.to(device), labels.to(device)
-        start = _mark(device)
-        if rank == 0:
-            sched.step(tokens)
-        else:
-            mb_losses: list[torch.Tensor] = []
-            sched.step(target=labels, losses=mb_losses)
-        window_end = _mark(device)
-        if rank == 1:
-            losses.append(float(sum(x.detach().float() for x in mb_losses)))
-        sq = optimizer.local_sq_norm()
-        dist.all_reduce(sq)  # the global norm over both stages, for clipping
-        norm = float(sq.sqrt())
-        norm_end = _mark(device)
-        optimizer.step(step, norm)
-        marks.append((start, window_end, norm_end, _mark(device)))
-        _sync(device)
+        # As a raypar worker's profiled step: the schedule, the norm and the optimizer.
+        with profiled(trace, device.type == "cuda") if trace and step == PROFILED_STEP else nullcontext():
+            start = _mark(device)
+            if rank == 0:
+                sched.step(tokens)
+            else:
+                mb_losses: list[torch.Tensor] = []
+                sched.step(target=labels, losses=mb_losses)
+            window_end = _mark(device)
+            if rank == 1:
+                losses.append(float(sum(x.detach().float() for x in mb_losses)))
+            sq = optimizer.local_sq_norm()
+            dist.all_reduce(sq)  # the global norm over both stages, for clipping
+            norm = float(sq.sqrt())
+            norm_end = _mark(device)
+            optimizer.step(step, norm)
+            marks.append((start, window_end, norm_end, _mark(device)))
+            _sync(device)
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now
@@ -482,6 +537,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
              "final loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("kind") == "profile":
+            continue  # its own table below
         if r.get("kind") == "stage_costs":
             if "gpu_ms" in r:
                 lines.append(f"| {r['label']}: GPU {' / '.join(f'{x:.1f}' for x in r['gpu_ms'])} ms, host to issue it "
@@ -508,4 +565,18 @@ def table(rows: list[dict]) -> str:
                              f"{fmt(b, 'backward_ms', '{:.1f}')} | {fmt(b, 'compute_vs_alone', '{:.2f}')} | "
                              f"{fmt(b, 'window_idle_ms', '{:.1f}')} | {b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
                              f"{between(b)} |")
+    profiles = [r for r in rows if r.get("kind") == "profile"]
+    if profiles:
+        kinds = list(profiles[0]["stages"][0]["by_kind"])
+        lines += ["", "One profiled step (torch.profiler, ms on each stage's device): traced: the step under the "
+                  "profiler; span: first kernel to last; busy: any kernel running; compute busy: any but "
+                  "communication; then kernel time by kind.", "",
+                  "| run | stage | traced | span | busy | compute busy | " + " | ".join(kinds) + " | kernels |",
+                  "|---" * (7 + len(kinds)) + "|"]
+        for r in profiles:
+            for st in r["stages"]:
+                by_kind = " | ".join(f"{st['by_kind'][k]['ms']:.1f}" for k in kinds)
+                lines.append(f"| {r['label']} | {st['stage']} | {st['traced_ms']:.1f} | {st['span_ms']:.1f} | "
+                             f"{st['busy_ms']:.1f} | "
+                             f"{st['compute_busy_ms']:.1f} | {by_kind} | {st['kernels']} |")
     return "\n".join(lines)

@@ -6,6 +6,7 @@
     python -m bench.run --suite all --cpu --steps 2 --out DIR   # tiny models on CPU (the tests)
     python -m bench.run --suite scale --out DIR             # 4 or 8 GPUs (bench/scale.py), within ~8.5 minutes
     python -m bench.run --suite baselines --repeats 3 --out DIR  # each row launched 3 times: median, spread
+    python -m bench.run --suite baselines --profile --out DIR    # plus one profiled step of raypar and torch
 
 Suites: kernels, pipeline (bench/pipeline.py's rows), moe, checkpoint, elastic, baselines; and scale
 (bench/scale.py, for 4-8 GPUs: not part of all or quick, which are for 2 GPUs). Writes
@@ -91,6 +92,7 @@ class Context:
     steps: int | None
     quick: bool
     repeats: int = 1  # launches of each row of the baselines suite (median and spread when > 1)
+    profile: bool = False  # baselines: one profiled step of raypar and torch (kernel time by kind)
     suite: str = ""
     deadline: float = math.inf  # time.monotonic() by which this suite should be done
     _runs: dict[str, tuple[str, RunSummary]] = field(default_factory=dict)  # finished plain runs, by config
@@ -343,6 +345,9 @@ def main() -> int:
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
     ap.add_argument("--repeats", type=int, default=1,
                     help="launch each baselines row this many times, interleaved; rows report the median and spread")
+    ap.add_argument("--profile", action="store_true",
+                    help="baselines: one more launch of raypar and torch with one step under torch.profiler; "
+                         "rows give each stage's kernel time by kind and the device's busy time")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more launches per row")
@@ -359,7 +364,7 @@ def main() -> int:
     env = environment(args, names)
     print(f"environment: {json.dumps({k: v for k, v in env.items() if k != 'topology'})}", flush=True)
     ctx = Context(work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick",
-                  repeats=args.repeats)
+                  repeats=args.repeats, profile=args.profile)
     results: dict[str, dict] = {}
     try:
         for i, name in enumerate(names):

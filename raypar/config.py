@@ -118,6 +118,9 @@ class RuntimeConfig:
     steps_ahead: int = 1
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training
+    # Profile this step on every worker with torch.profiler: a Chrome trace per worker (CPU
+    # ops and, on GPU, every kernel) in run_dir/profile/ on the worker's node.
+    profile_step: int | None = None
     # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
     # Grafana); "standalone" serves them from the driver with prometheus_client; "off".
     metrics: Literal["ray", "standalone", "off"] = "ray"
@@ -325,6 +328,8 @@ def validate(cfg: Config) -> None:
                           f"checkpoint.timeout_s={c.timeout_s} > 0")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    if r.profile_step is not None and r.profile_step < 0:
+        raise ConfigError(f"runtime.profile_step={r.profile_step} must be a step number (0 or more), or null for none")
     if r.steps_ahead < 0:
         raise ConfigError(f"runtime.steps_ahead={r.steps_ahead} must be >= 0 (0 waits for each step, 1 sends the next early)")
     e = cfg.elastic

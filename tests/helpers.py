@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import ray
 import torch
 
+from raypar.callbacks import Callback
 from raypar.config import Config, config_from_dict
 from raypar.data import SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
 from raypar.reference import ReferenceTrainer
@@ -99,3 +102,20 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rto
     assert got.keys() == want.keys(), where
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol, msg=lambda m: f"{where} {name}: {m}")
+
+
+class KillWorker(Callback):
+    """Kills one stage worker after step `at` (once), as a crash would."""
+
+    def __init__(self, at: int, rank: int):
+        self.at, self.rank, self.killed_at = at, rank, None
+
+    def on_step_end(self, trainer, record):
+        if record.step == self.at and self.killed_at is None:
+            self.killed_at = time.time()
+            ray.kill(trainer.group.workers[self.rank])
+
+
+def last_loss_per_step(summary) -> dict[int, float]:
+    # Steps after the last checkpoint before a failure run twice; the later run counts.
+    return {r.step: r.loss for r in summary.records}

@@ -80,11 +80,16 @@ def test_every_suite_runs_on_cpu(tmp_path):
 def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
     """Launches of one config vary (BENCHMARKS.md): with --repeats each row is the median
     launch, with every launch's rate and the spread, and the ratios use those rows."""
-    out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2")
+    out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2", "--profile")
     rows = results["suites"]["baselines"]["rows"]
     costs = [r for r in rows if r.get("kind") == "stage_costs"]
     assert len(costs) == 1 and len(costs[0]["gpu_ms"]) == len(costs[0]["host_ms"]) == 2
-    rows = [r for r in rows if r.get("kind") != "stage_costs"]
+    # --profile: one more launch of each raypar schedule and of torch, a trace per stage.
+    profiles = [r for r in rows if r.get("kind") == "profile"]
+    assert len(profiles) == 4 and all("error" not in r for r in profiles), profiles
+    assert all(len(r["stages"]) == 2 and all(st["traced_ms"] > 0 for st in r["stages"]) for r in profiles)
+    assert "One profiled step" in out.stdout
+    rows = [r for r in rows if r.get("kind") not in ("stage_costs", "profile")]
     assert len({r["label"] for r in rows}) == len(rows) == 5
     for r in rows:
         assert "error" not in r and "skipped" not in r, r

@@ -14,7 +14,7 @@ from raypar.resources import ResourceError
 from raypar.topology import Grid
 from raypar.trainer import Trainer
 
-from helpers import run_config
+from helpers import KillWorker, last_loss_per_step, run_config
 
 MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2}
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,23 +48,6 @@ def uninterrupted(tmp_path_factory):
         return runs[key]
 
     return run
-
-
-class KillWorker(Callback):
-    """Kills one stage worker after step `at` (once), as a crash would."""
-
-    def __init__(self, at: int, rank: int):
-        self.at, self.rank, self.killed_at = at, rank, None
-
-    def on_step_end(self, trainer, record):
-        if record.step == self.at and self.killed_at is None:
-            self.killed_at = time.time()
-            ray.kill(trainer.group.workers[self.rank])
-
-
-def last_loss_per_step(summary) -> dict[int, float]:
-    # Steps after the last checkpoint before a failure run twice; the later run counts.
-    return {r.step: r.loss for r in summary.records}
 
 
 @pytest.mark.parametrize("grid, model, at, rank", [

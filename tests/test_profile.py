@@ -1,0 +1,47 @@
+"""runtime.profile_step: every worker writes that step's torch.profiler trace, and
+`device_time` sums a trace's GPU kernels by kind and finds the device's busy time."""
+import json
+
+import pytest
+
+from raypar.config import ConfigError, load_config
+from raypar.runtime.profile import device_time, kernel_kind
+from raypar.trainer import Trainer
+
+from helpers import tiny_config
+
+
+def test_every_worker_writes_the_profiled_steps_trace(ray_session, tmp_path):
+    cfg = tiny_config(tmp_path, train={"steps": 3}, runtime={"profile_step": 1})
+    Trainer(cfg).fit()
+    traces = sorted((tmp_path / "run" / "profile").iterdir())
+    assert [t.name for t in traces] == ["rank0-step1.json", "rank1-step1.json"]
+    for trace in traces:
+        names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert any(n and n.startswith("aten::") for n in names)  # the step's ops
+        assert device_time(trace)["kernels"] == 0  # a CPU run has no kernels
+
+
+def test_device_time_sums_kernels_by_kind_and_the_busy_time(tmp_path):
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("sm90_xmma_gemm_bf16", 0, 100), kernel("ncclDevKernel_SendRecv", 50, 200),
+              kernel("flash_fwd_kernel", 300, 50), kernel("vectorized_elementwise_kernel", 320, 10),
+              kernel("multi_tensor_apply_kernel", 400, 100), {"ph": "X", "cat": "cpu_op", "name": "aten::mm",
+                                                              "ts": 0, "dur": 1000}]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = device_time(trace)
+    assert got["kernels"] == 5 and got["span_ms"] == pytest.approx(0.5) and got["traced_ms"] == pytest.approx(1.0)
+    # Any kernel: 0-250, 300-350, 400-500; compute (all but NCCL): 0-100, 300-350, 400-500.
+    assert got["busy_ms"] == pytest.approx(0.4) and got["compute_busy_ms"] == pytest.approx(0.25)
+    assert {k: v["count"] for k, v in got["by_kind"].items()} == {
+        "communication": 1, "attention": 1, "matmul": 1, "multi_tensor": 1, "other": 1}
+    assert got["by_kind"]["communication"]["ms"] == pytest.approx(0.2)
+    assert kernel_kind("nvjet_tst_128x256_h_bz_coopA_NNT") == "matmul"
+
+
+def test_a_negative_profile_step_is_refused():
+    with pytest.raises(ConfigError, match="runtime.profile_step=-1 must be a step number"):
+        load_config(None, ["runtime.profile_step=-1"])
