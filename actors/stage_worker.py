@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,11 +144,7 @@ class StageWorker:
             raise ProgramVersionError(f"rank {self.rank}: step {step} is for program version {version}, this worker "
                                       f"holds version {self.program_version} (set_programs was not called)")
         try:
-            if step == self.cfg.runtime.profile_step:
-                trace = Path(self.cfg.runtime.run_dir) / "profile" / f"rank{self.rank}-step{step}.json"
-                with profiled(trace, self.device.type == "cuda"):
-                    report = self.runtime.run_step(step, sample_ids, capture_grads)
-            else:
+            with self._profiling(step):
                 report = self.runtime.run_step(step, sample_ids, capture_grads)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
@@ -156,6 +153,13 @@ class StageWorker:
             self._break_groups()
             raise
         return report
+
+    def _profiling(self, step: int):
+        """torch.profiler around step `step` if it is `runtime.profile_step`."""
+        if step != self.cfg.runtime.profile_step:
+            return nullcontext()
+        trace = Path(self.cfg.runtime.run_dir) / "profile" / f"rank{self.rank}-step{step}.json"
+        return profiled(trace, self.device.type == "cuda")
 
     def start_snapshot(self, step: int, options: dict) -> float:
         return self.runtime.start_snapshot(step, **options)

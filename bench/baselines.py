@@ -87,8 +87,6 @@ def profile_rows(ctx: "Context", schedules: list[tuple[str, str]], data_path: st
     """One more launch each of raypar and torch, with step PROFILED_STEP under torch.profiler
     (so not timed with the others): each stage's kernel time by kind and the device's busy
     time (`raypar.runtime.profile.device_time`), with the traces' paths."""
-    from raypar.runtime.profile import device_time
-
     rows: list[dict] = []
     steps = PROFILED_STEP + 1
     for schedule, _ in schedules:
@@ -99,9 +97,8 @@ def profile_rows(ctx: "Context", schedules: list[tuple[str, str]], data_path: st
                             f"runtime.profile_step={PROFILED_STEP}"], f"raypar {schedule} profiled", steps=steps)
             c.data.path = data_path
             ctx.fit(c, label, fresh=True)
-            traces = [Path(c.runtime.run_dir) / "profile" / f"rank{r}-step{PROFILED_STEP}.json" for r in range(2)]
-            return {"label": label, "kind": "profile", "schedule": schedule, "traces": [str(t) for t in traces],
-                    "stages": [{"stage": r, **device_time(t)} for r, t in enumerate(traces)]}
+            return profile_row(label, schedule, [Path(c.runtime.run_dir) / "profile" / f"rank{r}-step{PROFILED_STEP}.json"
+                                                 for r in range(2)])
 
         rows += ctx.attempt(label, raypar_profile)
     names = [n for _, n in schedules]
@@ -110,16 +107,23 @@ def profile_rows(ctx: "Context", schedules: list[tuple[str, str]], data_path: st
     # One launch for both schedules, as the timed rows: each profiles its own step PROFILED_STEP.
     torch_rows = ctx.attempt("torch.distributed.pipelining profiled",
                              lambda: pipelining_rows(cfg, names, data_path, ctx, profile_dir=str(trace_dir)))
+    schedule_of = {f"torch.distributed.pipelining {n}": n for n in names}
     for r in torch_rows:
-        if "error" in r or "skipped" in r or "unavailable" in r:
-            rows.append({**r, "label": r["label"] + f", step {PROFILED_STEP} profiled", "kind": "profile"})
-            continue
-        name = r["label"].split()[-1]
-        traces = [trace_dir / f"{name}-rank{rank}.json" for rank in range(2)]
-        rows.append({"label": f"{r['label']}, step {PROFILED_STEP} profiled", "kind": "profile",
-                     "schedule": r["schedule"], "traces": [str(t) for t in traces],
-                     "stages": [{"stage": rank, **device_time(t)} for rank, t in enumerate(traces)]})
+        label = f"{r['label']}, step {PROFILED_STEP} profiled"
+        if {"error", "skipped", "unavailable"} & r.keys():
+            rows.append({**r, "label": label, "kind": "profile"})
+        else:
+            name = schedule_of[r["label"]]
+            rows.append(profile_row(label, r["schedule"], [trace_dir / f"{name}-rank{rank}.json" for rank in range(2)]))
     return rows
+
+
+def profile_row(label: str, schedule: str, traces: list[Path]) -> dict:
+    """A profiled run's row: each stage's device time from its trace (`device_time`)."""
+    from raypar.runtime.profile import device_time
+
+    return {"label": label, "kind": "profile", "schedule": schedule, "traces": [str(t) for t in traces],
+            "stages": [{"stage": rank, **device_time(t)} for rank, t in enumerate(traces)]}
 
 
 def combine_launches(rows: list[dict]) -> list[dict]:
