@@ -154,6 +154,10 @@ class StageWorker:
             raise
         return report
 
+    def finish_timing(self) -> tuple[int | None, list[float]]:
+        """The last step's units that its report did not have (see `StepReport.pending_units`)."""
+        return self.runtime.finish_pending()
+
     def _profiling(self, step: int):
         """torch.profiler around step `step` if it is `runtime.profile_step`."""
         if step != self.cfg.runtime.profile_step:

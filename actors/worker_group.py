@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypar.config import Config
 from raypar.resources import ResourceError, WorkerResources
-from raypar.runtime.stage import StepReport, label_events, unit_labels
+from raypar.runtime.stage import StepReport, label_events, tail_events, unit_labels
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -328,6 +328,13 @@ class WorkerGroup:
         """Every worker's report of an issued step (raises the first failure, or StepTimeout)."""
         reports = self._get(issued.refs, self.cfg.runtime.step_timeout_s, f"step {issued.step}")
         return [label_events(r, self._labels[r.stage]) for r in reports]
+
+    def collect_late(self) -> list[tuple[int, int | None, list[tuple[str, float, float]]]]:
+        """(rank, step, events) per worker: the units of its last step that its report lacked."""
+        refs = [w.finish_timing.remote() for w in self.workers]
+        tails = self._get(refs, self.cfg.runtime.step_timeout_s, "the last step's timings")
+        return [(rank, step, tail_events(self._labels[self.grid.coord(rank).pp], times))
+                for rank, (step, times) in enumerate(tails)]
 
     # -- checkpoints ---------------------------------------------------------------------------
 

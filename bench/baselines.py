@@ -198,16 +198,16 @@ def single_device_row(cfg: "Config", data_path: str, cpu: bool) -> dict:
             batch = order.indices(step * gbs, gbs)
             _sync(device)
             t0 = time.perf_counter()
-            total = 0.0
+            total = torch.zeros((), device=device)
             for i in range(m):
                 tokens, labels = dataset.get(split_batch(batch, m, i))
-                loss = model(tokens.to(device), labels.to(device)) / m
+                loss = model(_to(tokens, device), _to(labels, device)) / m
                 loss.backward()
-                total += float(loss.detach())
-            optimizer.step(step, float(optimizer.local_sq_norm().sqrt()))
+                total += loss.detach().float()
+            optimizer.step(step, optimizer.local_sq_norm().sqrt())  # no host wait before the update
             _sync(device)
             times.append(time.perf_counter() - t0)
-            losses.append(total)
+            losses.append(float(total))
         del model, optimizer
     finally:
         torch.set_num_threads(threads)
@@ -301,9 +301,9 @@ def step_breakdown(run_dir: str) -> list[dict]:
     bubble);
     gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
     backward) and STEP; between steps: from the end of one step's last unit to the next
-    step's first, in three parts: to the step's report (waiting for the device, reading
-    its timings), from the report to the next call's start (Ray's return and dispatch), and
-    from there to the first unit (loading the batch, the step's set-up).
+    step's first, the device idle; with it, when the step's report was made and when the
+    next step's call began, from the end of the step on the device (negative: before it,
+    the host ahead of the device, so Ray's return and dispatch cost the device nothing).
     """
     import json
     from collections import defaultdict
@@ -336,9 +336,8 @@ def step_breakdown(run_dir: str) -> list[dict]:
                     "grad_norm_ms": span(lambda label: label == "REDUCE_GRAD"),
                     "optimizer_ms": span(lambda label: label == "STEP"),
                     "between_steps_ms": 1000 * (first - previous_end),
-                    "to_report_ms": 1000 * (previous_report - previous_end),
-                    "to_next_call_ms": 1000 * (called - previous_report),
-                    "to_first_unit_ms": 1000 * (first - called)})
+                    "report_ms": 1000 * (previous_report - previous_end),
+                    "next_call_ms": 1000 * (called - previous_end)})
             previous_end = last
             previous_report = reported
     return [{"stage": stage, **_mean(phases)} for stage, phases in sorted(by_stage.items())]
@@ -478,7 +477,7 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
     t0 = time.perf_counter()
     for step in range(cfg.train.steps):
         tokens, labels = dataset.get(order.indices(step * gbs, gbs))
-        tokens, labels = tokens.to(device), labels.to(device)
+        tokens, labels = _to(tokens, device), _to(labels, device)
         # As a raypar worker's profiled step: the schedule, the norm and the optimizer.
         with profiled(trace, device.type == "cuda") if trace and step == PROFILED_STEP else nullcontext():
             start = _mark(device)
@@ -488,19 +487,34 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
                 mb_losses: list[torch.Tensor] = []
                 sched.step(target=labels, losses=mb_losses)
             window_end = _mark(device)
-            if rank == 1:
-                losses.append(float(sum(x.detach().float() for x in mb_losses)))
             sq = optimizer.local_sq_norm()
             dist.all_reduce(sq)  # the global norm over both stages, for clipping
-            norm = float(sq.sqrt())
             norm_end = _mark(device)
-            optimizer.step(step, norm)
+            # Clipped on the device, as torch.nn.utils.clip_grad_norm_ does: the update is
+            # issued without the host waiting for the norm.
+            optimizer.step(step, sq.sqrt())
             marks.append((start, window_end, norm_end, _mark(device)))
-            _sync(device)
+            if rank == 1:  # the step's loss, read as a training loop logs it, after the update is issued
+                losses.append(float(sum(x.detach().float() for x in mb_losses)))
+            # The host at most one step ahead of its device, which is never left idle for it.
+            _wait_for(marks[-2][3] if len(marks) > 1 else None, device)
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now
+    _sync(device)  # the last steps' marks, for their phases
     return {"times": times, "losses": losses, "phases": _phases(marks, device)}
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """To the device as a pinning data loader hands it over: without waiting for the device."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _wait_for(mark, device: torch.device) -> None:
+    if mark is not None and device.type == "cuda":
+        mark.synchronize()
 
 
 def _mark(device: torch.device):
@@ -535,8 +549,8 @@ def table(rows: list[dict]) -> str:
     fmt = lambda r, k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
 
     def between(b: dict) -> str:
-        parts = [b.get(k) for k in ("to_report_ms", "to_next_call_ms", "to_first_unit_ms")]
-        split = f" ({' / '.join(f'{p:.2f}' for p in parts)})" if None not in parts else ""
+        parts = [b.get(k) for k in ("report_ms", "next_call_ms")]
+        split = f" ({' / '.join(f'{p:+.1f}' for p in parts)})" if None not in parts else ""
         return fmt(b, "between_steps_ms", "{:.2f}") + split
     lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
              "final loss |", "|---|---|---|---|---|---|---|---|"]
@@ -561,7 +575,7 @@ def table(rows: list[dict]) -> str:
     if broken:
         lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",
                   "| run | stage | window | forward | backward | compute vs alone | window idle | gradient norm | "
-                  "optimizer | between steps (to report / to next call / to first unit) |",
+                  "optimizer | between steps (the step's report / the next call, from its end on the device) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in broken:
             for b in r["breakdown"]:

@@ -24,6 +24,7 @@ import ray
 from raypar.actors.worker_group import StepTimeout, is_echo
 from raypar.data import SampleOrder, TokenDataset
 from raypar.elastic import Plan, State, StateMachine, plan_grid, with_plan
+from raypar.event_log import EventLog
 from raypar.progress import write_status
 from raypar.schedule import build_programs
 
@@ -65,6 +66,7 @@ class Controller:
         self._stop = False
         self._stop_save = False
         self._status_written = 0.0  # monotonic time of the last status.json
+        self._timeline_due = False  # runtime.timeline_step has run; drawn once its events are written
 
     @property
     def recovering(self) -> bool:
@@ -89,7 +91,7 @@ class Controller:
         mode = "a" if resume else "w"
         try:
             with open(t.run_dir / "metrics.jsonl", mode) as metrics, \
-                    open(t.run_dir / "events.jsonl", mode) as events:
+                    EventLog(open(t.run_dir / "events.jsonl", mode)) as events:
                 while True:
                     try:
                         t0 = time.time()
@@ -103,6 +105,7 @@ class Controller:
                             callback.on_train_start(t)
                         consumed, outcome = self._run(start, consumed, order, records, metrics, events)
                     except WORKER_FAILURES as e:
+                        events.flush()  # the lost workers' last steps, without their late units
                         resume = self._recover(e)
                         continue
                     if outcome == "grow":
@@ -126,7 +129,7 @@ class Controller:
         return records, consumed
 
     def _run(self, start: int, consumed: int, order: SampleOrder, records: list, metrics: IO[str],
-             events: IO[str]) -> tuple[int, str]:
+             events: EventLog) -> tuple[int, str]:
         """Steps from `start` to the end (or a stop request, or a chance to grow).
 
         Up to `runtime.steps_ahead` steps are sent before the reports of the one running come
@@ -153,6 +156,9 @@ class Controller:
             if self._after_step(record, entry, records, metrics, events, overlapped=bool(inflight)) \
                     and outcome == "finished":
                 outcome = "grow"  # after the steps already sent, which run and count
+        t.finish_events(events)
+        if self._timeline_due:
+            self._draw_timeline(t.cfg.runtime.timeline_step, events)
         last = records[-1] if records else None
         if outcome == "finished" and self._stop and self._stop_save and last is not None \
                 and not t.saver.due(last.step + 1):
@@ -189,7 +195,7 @@ class Controller:
         return _InFlight(t.issue_step(step, order, consumed, snapshot=snapshot), save, ema, stall)
 
     def _after_step(self, record: StepRecord, entry: _InFlight, records: list, metrics: IO[str],
-                    events: IO[str], overlapped: bool) -> bool:
+                    events: EventLog, overlapped: bool) -> bool:
         """Everything the driver does with a finished step; returns whether the run should grow.
 
         `overlapped`: the next step is already running, so the time spent here holds no worker up.
@@ -209,7 +215,9 @@ class Controller:
         if self._recovery is not None:
             self._finish_recovery(record)
         if step == t.cfg.runtime.timeline_step:
-            self._draw_timeline(step, events)
+            self._timeline_due = True  # drawn once its events are whole: after the next step's reports
+        elif self._timeline_due:
+            self._draw_timeline(t.cfg.runtime.timeline_step, events)
         metrics.write(json.dumps(asdict(record)) + "\n")
         metrics.flush()
         t.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
@@ -230,11 +238,12 @@ class Controller:
         for callback in t.callbacks:
             callback.on_state_change(t, state.value)
 
-    def _draw_timeline(self, step: int, events: IO[str]) -> None:
+    def _draw_timeline(self, step: int, events: EventLog) -> None:
         from raypar.timeline import draw_png, load_step, write_chrome_trace
 
+        self._timeline_due = False
         t = self.trainer
-        events.flush()
+        events.out.flush()
         spans = load_step(t.run_dir, step)
         png = draw_png(spans, t.run_dir / f"timeline-step{step}.png", title=f"{t.grid}, step {step}")
         write_chrome_trace(spans, t.run_dir / f"timeline-step{step}.json")

@@ -43,8 +43,11 @@ def check(what: str) -> None:
         raise StepCancelled(f"{what}: cancelled ({_reason})")
 
 
-def wait_for(event: "torch.cuda.Event", what: str) -> None:
-    """Return once the GPU has passed `event`; raise `StepCancelled` if cancelled first."""
+def wait_for(event: "torch.cuda.Event", what: str) -> bool:
+    """Return once the GPU has passed `event`, and whether the host had to wait for it;
+    raise `StepCancelled` if cancelled first."""
+    if event.query():
+        return False
     spins = 0
     while not event.query():
         check(what)
@@ -53,6 +56,7 @@ def wait_for(event: "torch.cuda.Event", what: str) -> None:
             time.sleep(0)
         else:
             time.sleep(_SLEEP_S)
+    return True
 
 
 def synchronize(device: torch.device, what: str) -> None:

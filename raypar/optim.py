@@ -1,7 +1,9 @@
 """Optimizer pieces shared by stage workers and the single-process reference.
 
 AdamW over fp32 master weights, the learning-rate schedule, and global-norm clipping
-whose norm may be summed over several workers before it is applied.
+whose norm may be summed over several workers before it is applied. The norm may stay on
+the device: clipping is folded into the fused AdamW kernel as its gradient scale, so a
+step never waits for the host to read the norm.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ class MasterOptimizer:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            foreach=True,
+            fused=True,
         )
 
     @staticmethod
@@ -105,28 +107,32 @@ class MasterOptimizer:
                     done.append(name)
         return done
 
-    def step(self, step: int, total_norm: float) -> float:
-        """Clip by the global norm, update with the step's learning rate, zero the grads."""
-        grads = self.grads()
-        if self.cfg.grad_clip > 0:
-            coef = min(1.0, self.cfg.grad_clip / (total_norm + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+    def step(self, step: int, total_norm: torch.Tensor | float) -> float:
+        """Clip by the global norm, update with the step's learning rate, zero the grads.
+
+        `total_norm` may be a device tensor: nothing here reads it on the host.
+        """
+        if self.cfg.grad_clip > 0 and self.master:
+            device = self.master[0].device
+            norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
+            # The fused kernel divides each gradient by this: 1 unless the norm is over the limit.
+            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.cfg.grad_clip, min=1.0)
         lr = lr_at(self.cfg, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.grads()  # parameters that got no gradient step on zeros, as they always have
         self.optimizer.step()
+        self.optimizer.grad_scale = None
         if self.mixed:
             with torch.no_grad():
-                for (_, p), m in zip(self.named_params, self.master):
-                    p.copy_(m)
+                torch._foreach_copy_([p for _, p in self.named_params], self.master)
         self.zero_grad()
         return lr
 
     def zero_grad(self) -> None:
-        for m in self.master:
-            if m.grad is not None:
-                m.grad.zero_()
+        grads = [m.grad for m in self.master if m.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
         if self.mixed:
             for _, p in self.named_params:
                 p.grad = None

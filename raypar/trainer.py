@@ -28,6 +28,7 @@ from raypar.topology import Grid
 
 if TYPE_CHECKING:
     from raypar.actors.worker_group import IssuedStep
+    from raypar.event_log import EventLog
 
 
 @dataclass
@@ -247,6 +248,12 @@ class Trainer:
         self.programs = programs
         self._sim_programs = prepare(programs)  # checked once; each step only times them
 
+    def finish_events(self, events: "EventLog") -> None:
+        """Complete the last step's events (the units its reports did not have) and write them."""
+        for rank, step, late_events in self.group.collect_late():
+            events.complete(rank, step, late_events)
+        events.flush()
+
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.shutdown()
@@ -336,7 +343,7 @@ class Trainer:
         of the step before it when it was queued behind that one."""
         return max(pending.issued, self._last_step_done)
 
-    def finish_step(self, pending: PendingStep, events_out=None) -> StepRecord:
+    def finish_step(self, pending: PendingStep, events_out: "EventLog | None" = None) -> StepRecord:
         """Wait for an issued step and make its record; its time runs from `step_started`
         to when its reports are back."""
         cfg, grid, step, consumed = self.cfg, self.grid, pending.step, pending.consumed
@@ -346,10 +353,7 @@ class Trainer:
         step_time = self._last_step_done - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.
-            for r in reports:
-                c = grid.coord(r.rank)
-                events_out.write(json.dumps({"step": step, "rank": r.rank, "dp": c.dp, "pp": c.pp, "ep": c.ep,
-                                             "events": r.events, "call": [r.called, r.reported]}) + "\n")
+            events_out.add(step, reports, grid)
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         worker_time = max(r.wall_s for r in reports)
         by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731

@@ -44,6 +44,44 @@ def test_bf16_training_on_gpus_reduces_loss(ray_session, tmp_path):
     assert last < first - 0.2, (first, last)
 
 
+def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
+    """A GPU worker reports a step before its optimizer's kernels end, so the next step is
+    issued meanwhile; the units it had not timed come with the next report (or, for the
+    last step, at the run's end). events.jsonl must still hold every unit of every step,
+    each line's spans in program order on the device, and steps one after another."""
+    _need_gpus(2)
+    import json
+    from collections import defaultdict
+
+    from raypar.runtime.stage import unit_labels
+    from raypar.schedule import build_programs
+
+    steps = 5
+    cfg = tiny_config(tmp_path, model={"dtype": "bfloat16", "dim": 256, "n_layers": 8},
+                      parallel={"pp": 2, "schedule": "1f1b", "microbatches": 4}, train={"steps": steps},
+                      runtime={"device": "cuda"})
+    Trainer(cfg).fit()
+    run_dir = tmp_path / "run"
+    by_rank: dict[int, dict[int, dict]] = defaultdict(dict)
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["step"] not in by_rank[record["rank"]], "one line per step and worker"
+        by_rank[record["rank"]][record["step"]] = record
+    programs = build_programs("1f1b", 2, 4)
+    assert sorted(by_rank) == [0, 1]
+    for rank, records in by_rank.items():
+        assert sorted(records) == list(range(steps))
+        previous_end = None
+        for step in range(steps):
+            events = records[step]["events"]
+            assert [e[0] for e in events] == unit_labels(programs[rank]), (rank, step)
+            times = [t for _, b, e in events for t in (b, e)]
+            assert times == sorted(times), (rank, step, events)
+            if previous_end is not None:  # one stream: a step starts after the last one's optimizer
+                assert times[0] >= previous_end - 1e-3, (rank, step, times[0], previous_end)
+            previous_end = times[-1]
+
+
 def test_gpu_checkpoints_resume_exactly(ray_session, tmp_path):
     """Snapshots on GPU mark the step and copy beside the next one (side stream, pinned
     buffers, the optimizer waiting for them): what they save must be the state after the

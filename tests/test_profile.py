@@ -45,3 +45,12 @@ def test_device_time_sums_kernels_by_kind_and_the_busy_time(tmp_path):
 def test_a_negative_profile_step_is_refused():
     with pytest.raises(ConfigError, match="runtime.profile_step=-1 must be a step number"):
         load_config(None, ["runtime.profile_step=-1"])
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers_longest_first():
+    from raypar.runtime.profile import idle_gaps
+
+    kernels = [(0.0, 100.0, "gemm"), (50.0, 300.0, "nccl"), (1300.0, 1400.0, "flash"), (1450.0, 1500.0, "adam")]
+    gaps = idle_gaps(kernels)
+    assert [(g["at_ms"], g["ms"], g["after"], g["before"]) for g in gaps] == [
+        (0.3, 1.0, "nccl", "flash"), (1.4, 0.05, "flash", "adam")]

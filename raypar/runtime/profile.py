@@ -50,7 +50,7 @@ def device_time(trace: Path) -> dict:
               if e.get("ph") == "X" and "ts" in e]
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
-    out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0, "compute_busy_ms": 0.0,
+    out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0, "compute_busy_ms": 0.0, "gaps": [],
                  "by_kind": {kind: {"ms": 0.0, "count": 0} for kind, _ in (*KINDS, ("other", ()))}}
     if not kernels:
         return out
@@ -61,7 +61,23 @@ def device_time(trace: Path) -> dict:
         kind = out["by_kind"][kernel_kind(name)]
         kind["ms"] += (end - start) / 1000
         kind["count"] += 1
+    out["gaps"] = idle_gaps(kernels)
     return out
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12, shorter: int = 60) -> list[dict]:
+    """The device's longest idle stretches between kernels (trace microseconds in, ms out):
+    where each starts (ms from the first kernel), how long, and the kernels around it."""
+    kernels = sorted(kernels)
+    first, reach, last_name = kernels[0][0], kernels[0][1], kernels[0][2]
+    gaps = []
+    for start, end, name in kernels[1:]:
+        if start > reach:
+            gaps.append({"at_ms": (reach - first) / 1000, "ms": (start - reach) / 1000,
+                         "after": last_name[:shorter], "before": name[:shorter]})
+        if end > reach:
+            reach, last_name = end, name
+    return sorted(gaps, key=lambda g: -g["ms"])[:top]
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:

@@ -42,13 +42,16 @@ class StepReport:
     losses: list[float]  # per micro-batch, last stage only
     # Start and end (wall-clock seconds) of each unit of the program (`comm_groups`), in order,
     # flat: [start0, end0, start1, end1, ...]. The driver knows the program and labels them.
+    # On GPU the report is made once the device has passed everything before the optimizer
+    # step: units it has not finished yet (`pending_units`, the last ones) come in the next
+    # report's `late_times`.
     times: list[float]
     compute_s: float  # time in F and B
     start: float  # program start (wall clock)
     end_of_backward: float  # end of the last B (wall clock)
-    wall_s: float  # whole run_step, optimizer included
+    wall_s: float  # whole run_step (on GPU its optimizer issued, not necessarily finished)
     called: float  # wall clock when the worker began this step (before its batch was loaded)
-    reported: float  # wall clock when this report was made (the device done with the step)
+    reported: float  # wall clock when this report was made (the device past the step's last read)
     peak_activation_bytes: int
     peak_device_bytes: int
     peak_live_microbatches: int  # micro-batches whose forward ran and whose backward has not
@@ -60,9 +63,13 @@ class StepReport:
     grad_norm: float
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
+    pending_units: int = 0  # units at the program's end whose times this report lacks
+    late_step: int | None = None  # the step `late_times` belong to (the last one this worker ran)
+    late_times: list[float] = field(default_factory=list)  # that step's pending units, as `times`
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     # (label, start, end) per unit: filled in on the driver from `times` (see `label_events`)
     events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
+    late_events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
 
 
 def unit_labels(program: list[Action]) -> list[str]:
@@ -71,10 +78,38 @@ def unit_labels(program: list[Action]) -> list[str]:
 
 
 def label_events(report: StepReport, labels: list[str]) -> StepReport:
-    """Give `report` its (label, start, end) events from its times and its program's labels."""
+    """Give `report` its (label, start, end) events from its times and its program's labels,
+    and the late events of the step before (that step's last units)."""
     t = report.times
     report.events = list(zip(labels, t[0::2], t[1::2]))
+    report.late_events = tail_events(labels, report.late_times)
     return report
+
+
+def tail_events(labels: list[str], times: list[float]) -> list[tuple[str, float, float]]:
+    """(label, start, end) of a program's last units, from their flat times."""
+    return list(zip(labels[len(labels) - len(times) // 2:], times[0::2], times[1::2]))
+
+
+class ReadBack:
+    """The values a step report reads from the device, copied to host without a wait; `values`
+    waits for nothing: the caller waits for `mark` first."""
+
+    def __init__(self, losses: torch.Tensor | None, grad_norm: torch.Tensor | None,
+                 routed: dict[str, torch.Tensor], dropped: list[torch.Tensor], mark_with):
+        host = lambda t: t.detach().to("cpu", non_blocking=True)  # noqa: E731 - pinned on CUDA
+        self._losses = host(losses) if losses is not None else None
+        self._norm = host(grad_norm) if grad_norm is not None else None
+        self._routed = {layer: host(t) for layer, t in routed.items()}
+        self._dropped = [host(t) for t in dropped]
+        self.mark = mark_with()
+
+    def values(self) -> tuple[list[float], float, dict[str, list[int]], int]:
+        """(losses, gradient norm, tokens routed per expert by layer, tokens dropped)."""
+        return (self._losses.tolist() if self._losses is not None else [],
+                float(self._norm) if self._norm is not None else 0.0,
+                {layer: t.tolist() for layer, t in self._routed.items()},
+                sum(int(t) for t in self._dropped))
 
 
 def _releasable(t: torch.Tensor) -> bool:
@@ -128,6 +163,9 @@ class StageRuntime:
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
         self._mb = -1
+        # The last step's units the device had not finished when it reported: (step, marks,
+        # the clock's anchor then, so one step's times all come from one anchor).
+        self._pending: tuple[int, list[tuple[object, object]], object] | None = None
         self.set_program([])
         self._seeds: tuple[torch.Tensor, ...] | None = None
         t1 = time.perf_counter()
@@ -141,6 +179,7 @@ class StageRuntime:
     def set_program(self, program: list[Action]) -> None:
         """The program every step runs until the next call (sent once per plan, not per step)."""
         self.program = list(program)
+        self._pending = None  # labelled by the old program's units
         self._units = comm_groups(self.program)
         self._compute_units = [unit[0].op in COMPUTE_OPS for unit in self._units]
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
@@ -165,7 +204,9 @@ class StageRuntime:
         losses: list[torch.Tensor] = []
         marks: list[tuple[object, object]] = []  # (start, end) per unit
         released = 0
-        grad_norm, lr, grads = 0.0, 0.0, None
+        grad_norm, lr, grads = None, 0.0, None
+        readback = None
+        previous, self._pending = self._pending, None
         last_backward = None
         peak_live = 0
         stall = 0.0
@@ -204,6 +245,7 @@ class StageRuntime:
             elif head.op == Op.REDUCE_GRAD:
                 grad_norm, grads = self._reduce_grads(capture_grads)
             elif head.op == Op.STEP:
+                readback = self._read_back(losses, grad_norm)  # before the optimizer writes
                 # The last snapshot's copies must be done before the optimizer writes.
                 stall += self.snapshot.wait()
                 lr = self.optimizer.step(step, grad_norm)
@@ -216,14 +258,19 @@ class StageRuntime:
             self.tracker.sample()
             peak_live = max(peak_live, self.tracker.live_microbatches())
 
-        self.clock.finish()
-        times = [t for b, e in marks for t in (self.clock.seconds(b), self.clock.seconds(e))]
-        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units) if is_compute)
-        loss_values = torch.stack(losses).float().cpu().tolist() if losses else []
+        # The report waits for what it reads, not for the optimizer: the next step is issued
+        # while the optimizer's kernels still run.
+        readback = readback or self._read_back(losses, grad_norm)
+        self.clock.wait(readback.mark, f"{where}: report")
+        n_done = next((i for i, (_, e) in enumerate(marks) if not self.clock.passed(e)), len(marks))
+        if n_done < len(marks):
+            self._pending = (step, marks[n_done:], self.clock.anchor)
+        times = self._seconds(marks[:n_done])
+        late_step, late_times = (previous[0], self._seconds(*previous[1:])) if previous else (None, [])
+        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
+                      if is_compute)
+        loss_values, norm, expert_tokens, dropped = readback.values()
         peak_act = self.tracker.peak_bytes
-        expert_tokens = {layer: m.stats.routed.cpu().tolist() for layer, m in self.moe_layers.items()
-                         if m.stats.routed is not None}
-        dropped = sum(int(m.stats.dropped) for m in self.moe_layers.values() if m.stats.dropped is not None)
         a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
         a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
         self.tracker.clear()
@@ -239,8 +286,29 @@ class StageRuntime:
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             peak_live_microbatches=peak_live, released_outputs=released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=grad_norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
+            pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times,
         )
+
+    def finish_pending(self) -> tuple[int | None, list[float]]:
+        """Wait for the units the last report did not have: (their step, their times), as a
+        report's `late_step` and `late_times`; (None, []) when there are none."""
+        if self._pending is None:
+            return None, []
+        (step, marks, anchor), self._pending = self._pending, None
+        self.clock.wait(marks[-1][1], f"stage {self.stage}: step {step}'s last units")
+        return step, self._seconds(marks, anchor)
+
+    def _seconds(self, marks: list[tuple[object, object]], anchor=None) -> list[float]:
+        return [t for b, e in marks for t in (self.clock.seconds(b, anchor), self.clock.seconds(e, anchor))]
+
+    def _read_back(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> "ReadBack":
+        """Start copying what the report needs to host, before the optimizer is issued."""
+        moe = {layer: m.stats for layer, m in self.moe_layers.items()}
+        return ReadBack(
+            losses=torch.stack(losses).float() if losses else None, grad_norm=grad_norm,
+            routed={layer: s.routed for layer, s in moe.items() if s.routed is not None},
+            dropped=[s.dropped for s in moe.values() if s.dropped is not None], mark_with=self.clock.mark)
 
     # -- actions -----------------------------------------------------------------------
 
@@ -248,6 +316,9 @@ class StageRuntime:
         if not (self.is_first or self.is_last):
             return None, None
         x, y = self.dataset.get(sample_ids)
+        if self.device.type == "cuda":
+            # From pageable memory the copy would wait for the last step's optimizer to finish.
+            x, y = x.pin_memory(), y.pin_memory()
         x = x.to(self.device, non_blocking=True).chunk(n_mb)
         y = y.to(self.device, non_blocking=True).chunk(n_mb)
         return x, y
@@ -327,7 +398,7 @@ class StageRuntime:
         captured = None
         if capture:
             captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
-        return float(host_wait.to_host(sq.sqrt(), "gradient norm")), captured
+        return sq.sqrt(), captured
 
     # -- state ---------------------------------------------------------------------------
 

@@ -63,8 +63,9 @@ def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer: bool = True,
                  save_master: bool = True) -> Layout:
-    """Shape and dtype of the parameter-shaped tensors `state_tensors` will return, known
-    before the first optimizer step creates AdamW's moments (shaped like the masters)."""
+    """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), known
+    before the first optimizer step creates AdamW's moments (shaped like the masters) and
+    step counts."""
     params = [(name, param.shape, param.dtype) for name, param, _ in _written(optimizer, coord)]
     return params_layout(params, optimizer.mixed, save_optimizer, save_master)
 
@@ -81,6 +82,8 @@ def params_layout(params: Iterable[tuple[str, torch.Size, torch.dtype]], mixed: 
         if save_optimizer:
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"optim.{key}.{name}"] = (shape, master_dtype)
+            # Fused AdamW counts steps in a float32 scalar on the parameter's device.
+            out[f"optim.step.{name}"] = (torch.Size([]), torch.float32)
     return out
 
 

@@ -1,0 +1,54 @@
+"""events.jsonl stays whole when a GPU step's last units are timed in the next report."""
+import io
+import json
+from types import SimpleNamespace
+
+from raypar.event_log import EventLog
+from raypar.topology import Grid
+
+
+def report(rank: int, step: int, events: list, pending: int = 0, late_step=None, late_events=()):
+    return SimpleNamespace(rank=rank, events=events, pending_units=pending, late_step=late_step,
+                           late_events=list(late_events), called=0.0, reported=1.0)
+
+
+def lines(out: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+GRID = Grid(dp=1, pp=2, ep=1)
+
+
+def test_a_step_with_pending_units_is_written_once_the_next_report_brings_them():
+    out = io.StringIO()
+    log = EventLog(out)
+    log.add(0, [report(0, 0, [("F0", 0.0, 1.0)], pending=1), report(1, 0, [("F0", 1.0, 2.0), ("STEP", 2.0, 3.0)])], GRID)
+    assert [(r["step"], r["rank"]) for r in lines(out)] == [(0, 1)]  # rank 0's line waits for its STEP
+    log.add(1, [report(0, 1, [("F0", 4.0, 5.0)], pending=1, late_step=0, late_events=[("STEP", 1.0, 3.5)]),
+                report(1, 1, [("F0", 5.0, 6.0), ("STEP", 6.0, 7.0)])], GRID)
+    written = {(r["step"], r["rank"]): r["events"] for r in lines(out)}
+    assert written[(0, 0)] == [["F0", 0.0, 1.0], ["STEP", 1.0, 3.5]]
+    assert (1, 0) not in written and (1, 1) in written
+
+
+def test_the_last_steps_units_are_completed_or_flushed_as_they_are():
+    out = io.StringIO()
+    text = []
+    out.close = lambda: text.append(out.getvalue())  # the log closes its file on exit
+    with EventLog(out) as log:
+        log.add(0, [report(0, 0, [("F0", 0.0, 1.0)], pending=1), report(1, 0, [("F0", 1.0, 2.0)], pending=1)], GRID)
+        log.complete(0, 0, [("STEP", 1.0, 2.0)])
+        log.complete(1, 7, [("STEP", 9.0, 9.5)])  # another step's tail (a re-planned run): not merged
+    written = {r["rank"]: r["events"] for r in map(json.loads, text[0].splitlines())}
+    assert written[0] == [["F0", 0.0, 1.0], ["STEP", 1.0, 2.0]]
+    assert written[1] == [["F0", 1.0, 2.0]]
+
+
+def test_flush_writes_held_lines_after_a_failure():
+    out = io.StringIO()
+    log = EventLog(out)
+    log.add(3, [report(0, 3, [("F0", 0.0, 1.0)], pending=1)], GRID)
+    log.flush()
+    assert [(r["step"], r["events"]) for r in lines(out)] == [(3, [["F0", 0.0, 1.0]])]
+    log.flush()
+    assert len(lines(out)) == 1
