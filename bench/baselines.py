@@ -39,7 +39,8 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "Stage costs: one micro-batch through each stage alone, the GPU's time (host let ahead) and the host's "
          "time to issue it; when they are close, steps go at the host's speed. Breakdown: raypar's from each run's "
          "events.jsonl (window: first unit to last backward); torch's from events around its schedule's step "
-         "(window), the norm's all-reduce and the optimizer; compute vs alone = forward + backward per step / "
+         "(window: the whole call, its last sends' waits included), around each forward (the last stage's loss "
+         "in it, as in raypar) and backward of its stage, the norm's all-reduce and the optimizer; compute vs alone = forward + backward per step / "
          "(micro-batches x the stage's cost alone).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
@@ -161,7 +162,7 @@ def compare(rows: list[dict], cfg: "Config") -> None:
         r["vs_ideal_2_stage"] = r["tokens_per_s"] / (2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1)))
     costs = next((r for r in rows if r.get("kind") == "stage_costs" and "gpu_ms" in r), None)
     for r in rows:
-        if costs is not None and r.get("breakdown") and r.get("kind") != "torch":
+        if costs is not None and r.get("breakdown"):
             # Compute units' spans against the same work alone: above 1, the GPU waited inside them.
             for stage in r["breakdown"]:
                 stage["compute_vs_alone"] = ((stage["forward_ms"] + stage["backward_ms"])
@@ -467,7 +468,21 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
         # (scale_grads=False: bf16 models move grads into fp32 masters, where torch cannot scale them.)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()) / m
 
-    sched = getattr(pipelining, schedule)(stage, m, loss_fn=loss_fn, scale_grads=False)
+    # Each forward and backward timed as raypar's compute units are (the last stage's loss
+    # counts as its forward, as raypar's last stage computes it inside its forward).
+    units: list[tuple[str, object, object]] = []
+
+    def timed(kind: str, fn):
+        def run(*args, **kwargs):
+            begin = _mark(device)
+            out = fn(*args, **kwargs)
+            units.append((kind, begin, _mark(device)))
+            return out
+        return run
+
+    stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+    sched = getattr(pipelining, schedule)(stage, m, loss_fn=timed("F", loss_fn), scale_grads=False)
     dataset = TokenDataset(data_path, cfg.data.seq_len)
     order = SampleOrder(len(dataset), cfg.train.seed, shuffle=cfg.data.shuffle)
     times, losses, marks = [], [], []
@@ -493,7 +508,8 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
             # Clipped on the device, as torch.nn.utils.clip_grad_norm_ does: the update is
             # issued without the host waiting for the norm.
             optimizer.step(step, sq.sqrt())
-            marks.append((start, window_end, norm_end, _mark(device)))
+            marks.append((start, window_end, norm_end, _mark(device), list(units)))
+            units.clear()
             if rank == 1:  # the step's loss, read as a training loop logs it, after the update is issued
                 losses.append(float(sum(x.detach().float() for x in mb_losses)))
             # The host at most one step ahead of its device, which is never left idle for it.
@@ -527,13 +543,17 @@ def _mark(device: torch.device):
 
 
 def _phases(marks: list[tuple], device: torch.device) -> list[dict]:
-    """ms per step of the schedule's window (its forwards, backwards and exchanges), the
-    gradient norm, the optimizer, and the gap since the step before, from `_mark` points."""
+    """ms per step of the schedule's window (its forwards, backwards and exchanges), its
+    forwards and backwards alone, the gradient norm, the optimizer, and the gap since the
+    step before, from `_mark` points."""
     ms = ((lambda a, b: a.elapsed_time(b)) if device.type == "cuda"
           else (lambda a, b: 1000 * (b - a)))
     phases = []
-    for i, (start, window_end, norm_end, end) in enumerate(marks):
-        phases.append({"window_ms": ms(start, window_end), "grad_norm_ms": ms(window_end, norm_end),
+    for i, (start, window_end, norm_end, end, units) in enumerate(marks):
+        window = ms(start, window_end)
+        forward, backward = (sum(ms(b, e) for kind, b, e in units if kind == k) for k in ("F", "B"))
+        phases.append({"window_ms": window, "forward_ms": forward, "backward_ms": backward,
+                       "window_idle_ms": window - forward - backward, "grad_norm_ms": ms(window_end, norm_end),
                        "optimizer_ms": ms(norm_end, end),
                        "between_steps_ms": ms(marks[i - 1][3], start) if i > 0 else None})
     return phases
