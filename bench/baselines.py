@@ -40,8 +40,8 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "time to issue it; when they are close, steps go at the host's speed. Breakdown: raypar's from each run's "
          "events.jsonl (window: first unit to last backward); torch's from events around its schedule's step "
          "(window: the whole call, its last sends' waits included), around each forward (the last stage's loss "
-         "in it, as in raypar) and backward of its stage, the norm's all-reduce and the optimizer; compute vs alone = forward + backward per step / "
-         "(micro-batches x the stage's cost alone).")
+         "in it, as in raypar) and backward of its stage, the norm's all-reduce and the optimizer; "
+         "compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]

@@ -49,14 +49,15 @@ def wait_for(event: "torch.cuda.Event", what: str) -> bool:
     if event.query():
         return False
     spins = 0
-    while not event.query():
+    while True:
         check(what)
         if spins < _SPIN:
             spins += 1
             time.sleep(0)
         else:
             time.sleep(_SLEEP_S)
-    return True
+        if event.query():
+            return True
 
 
 def synchronize(device: torch.device, what: str) -> None:

@@ -44,13 +44,15 @@ def kernel_kind(name: str) -> str:
 
 def device_time(trace: Path) -> dict:
     """A trace's GPU kernels: span (first start to last end), busy (any kernel running) and
-    compute busy (any kernel but communication) in ms, and ms and count per kind; and
-    `traced_ms`, the profiled block's length (its first event's start to its last's end)."""
+    compute busy (any kernel but communication) in ms, ms and count per kind, the longest
+    idle gaps (`idle_gaps`); and `traced_ms`, the profiled block's length (its first
+    event's start to its last's end)."""
     events = [e for e in json.loads(Path(trace).read_text()).get("traceEvents", [])
               if e.get("ph") == "X" and "ts" in e]
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
-    out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0, "compute_busy_ms": 0.0, "gaps": [],
+    out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0,
+                 "compute_busy_ms": 0.0, "gaps": [],
                  "by_kind": {kind: {"ms": 0.0, "count": 0} for kind, _ in (*KINDS, ("other", ()))}}
     if not kernels:
         return out

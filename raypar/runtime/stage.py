@@ -96,13 +96,13 @@ class ReadBack:
     waits for nothing: the caller waits for `mark` first."""
 
     def __init__(self, losses: torch.Tensor | None, grad_norm: torch.Tensor | None,
-                 routed: dict[str, torch.Tensor], dropped: list[torch.Tensor], mark_with):
+                 routed: dict[str, torch.Tensor], dropped: list[torch.Tensor], clock: StepClock):
         host = lambda t: t.detach().to("cpu", non_blocking=True)  # noqa: E731 - pinned on CUDA
         self._losses = host(losses) if losses is not None else None
         self._norm = host(grad_norm) if grad_norm is not None else None
         self._routed = {layer: host(t) for layer, t in routed.items()}
         self._dropped = [host(t) for t in dropped]
-        self.mark = mark_with()
+        self.mark = clock.mark()  # passed once the copies are done
 
     def values(self) -> tuple[list[float], float, dict[str, list[int]], int]:
         """(losses, gradient norm, tokens routed per expert by layer, tokens dropped)."""
@@ -266,7 +266,10 @@ class StageRuntime:
         if n_done < len(marks):
             self._pending = (step, marks[n_done:], self.clock.anchor)
         times = self._seconds(marks[:n_done])
-        late_step, late_times = (previous[0], self._seconds(*previous[1:])) if previous else (None, [])
+        late_step, late_times = None, []
+        if previous is not None:
+            late_step, late_marks, late_anchor = previous
+            late_times = self._seconds(late_marks, late_anchor)
         compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
                       if is_compute)
         loss_values, norm, expert_tokens, dropped = readback.values()
@@ -308,7 +311,7 @@ class StageRuntime:
         return ReadBack(
             losses=torch.stack(losses).float() if losses else None, grad_norm=grad_norm,
             routed={layer: s.routed for layer, s in moe.items() if s.routed is not None},
-            dropped=[s.dropped for s in moe.values() if s.dropped is not None], mark_with=self.clock.mark)
+            dropped=[s.dropped for s in moe.values() if s.dropped is not None], clock=self.clock)
 
     # -- actions -----------------------------------------------------------------------
 
