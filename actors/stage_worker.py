@@ -135,17 +135,25 @@ class StageWorker:
         self.program_version = version
 
     def run_step(self, step: int, version: int, sample_ids: list[int],
-                 capture_grads: bool = False, snapshot: dict | None = None) -> StepReport:
+                 capture_grads: bool = False, snapshot: dict | None = None,
+                 next_sample_ids: list[int] | None = None) -> StepReport:
         """One step of program `version`; with `snapshot` (save options) the state after it
-        starts copying to host. The report carries numbers, not the program's labels."""
+        starts copying to host; with `next_sample_ids`, the next step's batch, whose first
+        forward may be issued ahead (`runtime.forward_ahead`). The report carries numbers,
+        not the program's labels."""
         if self.failed is not None:
             raise StepRefused(f"rank {self.rank}: step {step} not run: {self.failed}; the worker waits for reset")
         if version != self.program_version:
             raise ProgramVersionError(f"rank {self.rank}: step {step} is for program version {version}, this worker "
                                       f"holds version {self.program_version} (set_programs was not called)")
         try:
+            # Not ahead of a snapshot (its peer check would wait for that forward) or into or
+            # out of a profiled step (whose trace holds one step).
+            profiled = self.cfg.runtime.profile_step
+            if snapshot is not None or profiled in (step, step + 1):
+                next_sample_ids = None
             with self._profiling(step):
-                report = self.runtime.run_step(step, sample_ids, capture_grads)
+                report = self.runtime.run_step(step, sample_ids, capture_grads, next_sample_ids)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
         except BaseException as e:

@@ -317,10 +317,12 @@ class WorkerGroup:
         return self.collect_step(self.issue_step(step, sample_ids, capture_grads, snapshot))
 
     def issue_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
-                   snapshot: dict | None = None) -> "IssuedStep":
+                   snapshot: dict | None = None, next_sample_ids: list[list[int]] | None = None) -> "IssuedStep":
         """Send a step without waiting for it. Workers run their calls in order, so a step
-        issued while the last one runs starts the moment that one ends."""
-        refs = [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot)
+        issued while the last one runs starts the moment that one ends. `next_sample_ids`:
+        the next step's batch per worker, when it follows."""
+        refs = [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot,
+                                  next_sample_ids[r] if next_sample_ids is not None else None)
                 for r, w in enumerate(self.workers)]
         return IssuedStep(step, refs)
 

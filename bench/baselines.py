@@ -41,7 +41,9 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "events.jsonl (window: first unit to last backward); torch's from events around its schedule's step "
          "(window: the whole call, its last sends' waits included), around each forward (the last stage's loss "
          "in it, as in raypar) and backward of its stage, the norm's all-reduce and the optimizer; "
-         "compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone).")
+         "compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone); host ahead at the "
+         "first unit: from when raypar's host began issuing a step's first unit to when the device began it "
+         "(the first stage issues it during the step before unless runtime.forward_ahead=false).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -69,6 +71,15 @@ def run(ctx: "Context") -> list[dict]:
                                breakdown=step_breakdown(c.runtime.run_dir))
 
             rows += ctx.attempt(label, raypar_row)
+        if not ctx.quick:
+            # Side by side with the same run without it: what issuing the first stage's first
+            # forward ahead of its call is worth.
+            label = f"raypar {schedules[0][0]}, runtime.forward_ahead=false"
+            c = ctx.config([f"parallel.schedule={schedules[0][0]}", "runtime.release=true",
+                            "runtime.forward_ahead=false"], label)
+            rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
+                label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, compared_to=schedules[0][0],
+                breakdown=step_breakdown(c.runtime.run_dir)))
         # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
         rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
                             lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
@@ -171,9 +182,9 @@ def compare(rows: list[dict], cfg: "Config") -> None:
         single["ideal_2_stage_tokens_per_s"] = 2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1))
     for r in rows:
         if r.get("kind") == "torch" and "tokens_per_s" in r:
-            ours = next((x for x in rows if x.get("schedule") == r["schedule"] and "bubble_measured" in x), None)
-            if ours is not None:
-                ours["vs_torch"] = ours["tokens_per_s"] / r["tokens_per_s"]
+            for ours in rows:
+                if r["schedule"] in (ours.get("schedule"), ours.get("compared_to")) and "bubble_measured" in ours:
+                    ours["vs_torch"] = ours["tokens_per_s"] / r["tokens_per_s"]
 
 
 # -- (a) one device ---------------------------------------------------------------------------
@@ -299,7 +310,9 @@ def step_breakdown(run_dir: str) -> list[dict]:
 
     window: from the stage's first unit to its last backward; forward, backward: its compute
     units; window idle: the rest of the window (exchanges and waits for the other stage, the
-    bubble);
+    bubble); span: from the step's first unit to the end of its last; first unit's lead: how
+    long before the device began the step's first unit the host began issuing it (near
+    zero, the device waited for the host);
     gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
     backward) and STEP; between steps: from the end of one step's last unit to the next
     step's first, the device idle; with it, when the step's report was made and when the
@@ -327,6 +340,8 @@ def step_breakdown(run_dir: str) -> list[dict]:
             span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
             first, last = min(b for _, b, _ in events), max(e for _, _, e in events)
             called, reported = r["call"]
+            # How far the host was ahead of the device when the step's first unit began.
+            lead = 1000 * (events[0][1] - r["issued"][0]) if r.get("issued") else None
             last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
             forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
             window = 1000 * (last_backward - first)
@@ -336,7 +351,8 @@ def step_breakdown(run_dir: str) -> list[dict]:
                     "window_idle_ms": window - forward - backward,
                     "grad_norm_ms": span(lambda label: label == "REDUCE_GRAD"),
                     "optimizer_ms": span(lambda label: label == "STEP"),
-                    "between_steps_ms": 1000 * (first - previous_end),
+                    "between_steps_ms": 1000 * (first - previous_end), "first_unit_lead_ms": lead,
+                    "span_ms": 1000 * (last - first),
                     "report_ms": 1000 * (previous_report - previous_end),
                     "next_call_ms": 1000 * (called - previous_end)})
             previous_end = last
@@ -359,7 +375,8 @@ def _mean(phases: list[dict]) -> dict:
 def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "Context",
                     profile_dir: str | None = None) -> list[dict]:
     """Two spawned processes, one stage each, running each schedule from the same initial
-    weights in turn; a step ends when both ranks are done with it. With `profile_dir`, step
+    weights in turn; a step ends when both ranks are done with it. A row's `units` hold, per
+    stage and step, each forward's and backward's span from the step's start (ms). With `profile_dir`, step
     PROFILED_STEP of each schedule is profiled into `<dir>/<schedule>-rank<r>.json`."""
     import torch.multiprocessing as mp
 
@@ -411,6 +428,7 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
         rows.append({"label": label, "kind": "torch", "schedule": "1f1b" if schedule == "Schedule1F1B" else "fthenb",
                      "device": device, "microbatches": cfg.parallel.microbatches, **_rates(times, cfg),
                      "losses": last["losses"], "final_loss": last["losses"][-1], "breakdown": breakdown,
+                     "units": [results[rank][schedule]["units"] for rank in (0, 1)],
                      "config": cfg.to_dict()})
     return rows
 
@@ -518,7 +536,7 @@ def _train_stage(rank: int, cfg_dict: dict, schedule: str, data_path: str, devic
         times.append(now - t0)
         t0 = now
     _sync(device)  # the last steps' marks, for their phases
-    return {"times": times, "losses": losses, "phases": _phases(marks, device)}
+    return {"times": times, "losses": losses, "phases": _phases(marks, device), "units": _units(marks, device)}
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -559,6 +577,13 @@ def _phases(marks: list[tuple], device: torch.device) -> list[dict]:
     return phases
 
 
+def _units(marks: list[tuple], device: torch.device) -> list[list[tuple[str, float, float]]]:
+    """Per step: (F or B, start ms, end ms) of each compute unit, from the step's start."""
+    ms = ((lambda a, b: a.elapsed_time(b)) if device.type == "cuda"
+          else (lambda a, b: 1000 * (b - a)))
+    return [[(kind, ms(start, b), ms(start, e)) for kind, b, e in units] for start, *_, units in marks]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -595,14 +620,15 @@ def table(rows: list[dict]) -> str:
     if broken:
         lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",
                   "| run | stage | window | forward | backward | compute vs alone | window idle | gradient norm | "
-                  "optimizer | between steps (the step's report / the next call, from its end on the device) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "optimizer | between steps (the step's report / the next call, from its end on the device) | "
+                  "host ahead at the first unit |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in broken:
             for b in r["breakdown"]:
                 lines.append(f"| {r['label']} | {b['stage']} | {b['window_ms']:.1f} | {fmt(b, 'forward_ms', '{:.1f}')} | "
                              f"{fmt(b, 'backward_ms', '{:.1f}')} | {fmt(b, 'compute_vs_alone', '{:.2f}')} | "
                              f"{fmt(b, 'window_idle_ms', '{:.1f}')} | {b['grad_norm_ms']:.1f} | {b['optimizer_ms']:.1f} | "
-                             f"{between(b)} |")
+                             f"{between(b)} | {fmt(b, 'first_unit_lead_ms', '{:.1f}')} |")
     profiles = [r for r in rows if r.get("kind") == "profile"]
     if profiles:
         kinds = list(profiles[0]["stages"][0]["by_kind"])

@@ -342,7 +342,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for all suites (GPU default: 150 for quick, 420 for scale, else 510; none on CPU)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
-    ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder, every suite's runs included")
     ap.add_argument("--repeats", type=int, default=1,
                     help="launch each baselines row this many times, interleaved; rows report the median and spread")
     ap.add_argument("--profile", action="store_true",
@@ -380,7 +380,8 @@ def main() -> int:
                                  "traceback": traceback.format_exc()[-3000:]}
             results[name]["wall_s"] = time.monotonic() - t0
             write_results(args.out, env, results)
-            shutil.rmtree(work / name, ignore_errors=True)  # checkpoints of big models fill disks
+            if not args.keep_work:
+                shutil.rmtree(work / name, ignore_errors=True)  # checkpoints of big models fill disks
     finally:
         import ray
 

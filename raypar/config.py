@@ -116,6 +116,10 @@ class RuntimeConfig:
     # the next step as the last ends, while the driver reads reports and starts saves;
     # 0: the driver waits for every step before sending the next.
     steps_ahead: int = 1
+    # The first stage issues the next step's first forward before it waits for its report's
+    # values (the gradient norm), so that forward runs right after the optimizer instead of
+    # after Ray returns the report and brings the next call; off: every step starts at its call.
+    forward_ahead: bool = True
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training
     # Profile this step on every worker with torch.profiler: a Chrome trace per worker (CPU

@@ -36,7 +36,7 @@ class EventLog:
                 self._write(held)
             c = grid.coord(r.rank)
             line = {"step": step, "rank": r.rank, "dp": c.dp, "pp": c.pp, "ep": c.ep,
-                    "events": [list(e) for e in r.events], "call": [r.called, r.reported]}
+                    "events": [list(e) for e in r.events], "call": [r.called, r.reported], "issued": r.issued}
             if r.pending_units:
                 self._held[r.rank] = line
             else:

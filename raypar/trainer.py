@@ -332,11 +332,18 @@ class Trainer:
         """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
         cfg, grid = self.cfg, self.grid
         issued = time.perf_counter()
-        batch = order.indices(consumed, cfg.train.global_batch_size)
-        ids = [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
+        gbs = cfg.train.global_batch_size
+
+        def ids_after(n: int) -> list[list[int]]:
+            batch = order.indices(n, gbs)
+            return [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
+
         # The workers hold the programs (set_programs at start and after a re-plan): a step
-        # sends only its number, the program version and the sample ids.
-        return PendingStep(consumed, issued, self.group.issue_step(step, ids, snapshot=snapshot))
+        # sends only its number, the program version and the sample ids, with the next
+        # step's for a forward issued ahead.
+        following = ids_after(consumed + gbs) if step + 1 < cfg.train.steps else None
+        return PendingStep(consumed, issued, self.group.issue_step(step, ids_after(consumed), snapshot=snapshot,
+                                                                   next_sample_ids=following))
 
     def step_started(self, pending: PendingStep) -> float:
         """When the workers could start `pending` (time.perf_counter()): its issue, or the end

@@ -79,15 +79,23 @@ def start_group_on(cfg: Config, dataset: TokenDataset, device: str):
 
 
 def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: SampleOrder, step: int,
-              schedule: str, microbatches: int, release: bool = True, device: str = "cpu"):
-    """One step on the workers and on the reference, same samples. Returns both sides."""
+              schedule: str, microbatches: int, release: bool = True, device: str = "cpu",
+              announce: int | None = None):
+    """One step on the workers and on the reference, same samples. Returns both sides.
+    `announce`: the step whose batch the call names as the next one (for a forward issued ahead)."""
     cfg, grid = group.cfg, group.grid
-    batch = order.indices(step * cfg.train.global_batch_size, cfg.train.global_batch_size)
+    gbs = cfg.train.global_batch_size
+
+    def per_rank(batch: list[int]) -> list[list[int]]:
+        return [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
+
+    batch = order.indices(step * gbs, gbs)
     programs = build_programs(schedule, grid.pp, microbatches, release=release)
     if group.programs != programs:  # programs go to the workers only when they change
         group.set_programs(programs)
-    reports = group.run_step(step, [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()],
-                             capture_grads=True)
+    following = per_rank(order.indices(announce * gbs, gbs)) if announce is not None else None
+    reports = group.collect_step(group.issue_step(step, per_rank(batch), capture_grads=True,
+                                                  next_sample_ids=following))
     grads: dict[str, torch.Tensor] = {}
     for r in reports:
         for name, g in r.grads.items():

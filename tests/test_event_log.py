@@ -8,7 +8,8 @@ from raypar.topology import Grid
 
 
 def report(rank: int, step: int, events: list, pending: int = 0, late_step=None, late_events=()):
-    return SimpleNamespace(rank=rank, events=events, pending_units=pending, late_step=late_step,
+    return SimpleNamespace(rank=rank, events=events, issued=[b - 0.001 for _, b, _ in events],
+                           pending_units=pending, late_step=late_step,
                            late_events=list(late_events), called=0.0, reported=1.0)
 
 

@@ -45,3 +45,34 @@ def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
         assert_same(group.parameters(), ref.parameters(), RTOL, ATOL_BY_GRID.get(grid, ATOL), "weights")
     finally:
         group.shutdown()
+
+
+# (schedule, micro-batches, the step each call names as the next one). The first stage
+# issues that step's first forward before its report: step 1 and step 4 take theirs; step 2
+# is not the announced step 5, and step 3 runs another program, so theirs are dropped.
+AHEAD_PLAN = [("fthenb", 1, 1), ("fthenb", 1, 5), ("1f1b", 4, 3), ("fthenb", 8, 4), ("fthenb", 8, None)]
+TAKEN_AHEAD = {1, 4}
+
+
+@pytest.mark.parametrize("grid", ["pp1", "pp2", "pp2-dp2-dropout-recompute"])
+def test_forward_issued_ahead_matches_single_process(ray_session, tmp_path, grid):
+    cfg = tiny_config(tmp_path, **GRIDS[grid])
+    assert cfg.runtime.forward_ahead
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=cfg.train.seed)
+    ref = ReferenceTrainer(cfg)
+    group = start_group(cfg, dataset)
+    try:
+        for step, (schedule, m, announce) in enumerate(AHEAD_PLAN):
+            loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m,
+                                                                  announce=announce)
+            where = f"step {step} ({schedule}, {m} micro-batches)"
+            assert loss == pytest.approx(ref_loss, rel=RTOL), where
+            assert_same(grads, ref_grads, RTOL, ATOL_BY_GRID.get(grid, ATOL), where)
+            # A forward issued ahead began before the call of its step did.
+            for r in reports:
+                ahead = r.issued[0] < r.called
+                assert ahead == (r.stage == 0 and step in TAKEN_AHEAD), f"{where}, rank {r.rank}"
+        assert_same(group.parameters(), ref.parameters(), RTOL, ATOL_BY_GRID.get(grid, ATOL), "weights")
+    finally:
+        group.shutdown()

@@ -66,6 +66,7 @@ class StepReport:
     pending_units: int = 0  # units at the program's end whose times this report lacks
     late_step: int | None = None  # the step `late_times` belong to (the last one this worker ran)
     late_times: list[float] = field(default_factory=list)  # that step's pending units, as `times`
+    issued: list[float] = field(default_factory=list)  # wall clock when the host began issuing each unit
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     # (label, start, end) per unit: filled in on the driver from `times` (see `label_events`)
     events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
@@ -89,6 +90,30 @@ def label_events(report: StepReport, labels: list[str]) -> StepReport:
 def tail_events(labels: list[str], times: list[float]) -> list[tuple[str, float, float]]:
     """(label, start, end) of a program's last units, from their flat times."""
     return list(zip(labels[len(labels) - len(times) // 2:], times[0::2], times[1::2]))
+
+
+@dataclass
+class _StepState:
+    """One step on this stage: the tensors its units hold and what they measured."""
+    step: int
+    sample_ids: list[int]
+    tokens: tuple[torch.Tensor, ...] | None  # per micro-batch (first and last stage)
+    labels: tuple[torch.Tensor, ...] | None
+    seeds: tuple[torch.Tensor, ...] | None  # per-sample dropout seeds, per micro-batch
+    act_shape: tuple[int, int, int]  # a received activation's shape
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received (or, first stage, token) inputs
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_out: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
+    losses: list[torch.Tensor] = field(default_factory=list)  # last stage only
+    marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
+    issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
+    released: int = 0
+    peak_live: int = 0
+    last_backward: object | None = None  # the end mark of its last backward
+
+    def release(self) -> None:
+        """Drop the step's tensors (the device frees them once its queued work is done)."""
+        self.inputs.clear(), self.outputs.clear(), self.grad_out.clear()
 
 
 class ReadBack:
@@ -167,7 +192,6 @@ class StageRuntime:
         # the clock's anchor then, so one step's times all come from one anchor).
         self._pending: tuple[int, list[tuple[object, object]], object] | None = None
         self.set_program([])
-        self._seeds: tuple[torch.Tensor, ...] | None = None
         t1 = time.perf_counter()
         connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
         check_world(device, self.timeout)  # also connects the world's communicator before any step
@@ -183,85 +207,55 @@ class StageRuntime:
         self._units = comm_groups(self.program)
         self._compute_units = [unit[0].op in COMPUTE_OPS for unit in self._units]
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
+        self._ahead: _StepState | None = None
+        # Only a forward that talks to no peer may be issued ahead of its call: the first
+        # stage's first one, without MoE layers (whose all-to-alls need their group's peers).
+        self._runs_ahead = (self.cfg.runtime.forward_ahead and self.is_first and not self.moe_layers
+                            and bool(self._units) and self._units[0][0].op == Op.F)
 
-    def run_step(self, step: int, sample_ids: list[int], capture_grads: bool = False) -> StepReport:
+    def run_step(self, step: int, sample_ids: list[int], capture_grads: bool = False,
+                 next_sample_ids: list[int] | None = None) -> StepReport:
+        """Issue one step's program and report it once the device has passed what the report
+        reads. With `next_sample_ids` (the next step's batch), a first stage that may
+        (`runtime.forward_ahead`) issues the next step's first forward before it waits: that
+        forward runs right after this step's optimizer, however late the next call comes."""
         t_start = time.time()
-        n_mb = self._n_mb
-        if n_mb == 0:
-            raise ValueError(f"stage {self.stage}: no program to run (set_program was not called)")
-        if len(sample_ids) % n_mb:
-            raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
-        # Shapes follow the step's program, so one worker group can run any schedule and count.
-        self.act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
-        tokens, labels = self._load(sample_ids, n_mb)
-        # Per-sample dropout seeds: the masks follow the sample, not the micro-batch or grid.
-        self._seeds = (sample_seeds(self.cfg.train.seed, step, sample_ids, self.device).chunk(n_mb)
-                       if self.cfg.model.dropout > 0 else None)
-        release = self.cfg.runtime.release
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grad_out: dict[int, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        marks: list[tuple[object, object]] = []  # (start, end) per unit
-        released = 0
+        state = self._take_ahead(step, sample_ids) or self._begin(step, sample_ids)
         grad_norm, lr, grads = None, 0.0, None
         readback = None
         previous, self._pending = self._pending, None
-        last_backward = None
-        peak_live = 0
         stall = 0.0
-
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.tracker.clear()
-        self.tracker.reset_peak()
-        for moe in self.moe_layers.values():
-            moe.stats.reset()
-            # The step loss is the mean of the micro-batch losses: aux losses scale alike.
-            moe.aux_scale = 1.0 / n_mb
-        self.clock.start()
         where = f"stage {self.stage}: step {step}"
-        for unit in self._units:
+        for unit in self._units[len(state.marks):]:
             head = unit[0]
             host_wait.check(where)  # a recovery cancelled the step: stop issuing its work
+            state.issued.append(time.time())
             begin = self.clock.mark()
-            if head.is_comm:
-                self._exchange(unit, inputs, outputs, grad_out)
-            elif head.op == Op.F:
-                outputs[head.mb] = self._forward(head.mb, tokens, labels, inputs, n_mb, losses)
-            elif head.op == Op.B:
-                self._backward(head.mb, inputs, outputs, grad_out)
-                if release:
-                    grad_out.pop(head.mb, None)
-                    if self.is_first:
-                        self._forget(head.mb, inputs, outputs)
-            elif head.op == Op.RELEASE_OUT:
-                out = outputs[head.mb]
-                if _releasable(out):
-                    out.untyped_storage().resize_(0)
-                    released += 1
-            elif head.op == Op.RELEASE_IN:
-                self._forget(head.mb, inputs, outputs)
-            elif head.op == Op.REDUCE_GRAD:
+            if head.op == Op.REDUCE_GRAD:
                 grad_norm, grads = self._reduce_grads(capture_grads)
             elif head.op == Op.STEP:
-                readback = self._read_back(losses, grad_norm)  # before the optimizer writes
+                readback = self._read_back(state.losses, grad_norm)  # before the optimizer writes
                 # The last snapshot's copies must be done before the optimizer writes.
                 stall += self.snapshot.wait()
                 lr = self.optimizer.step(step, grad_norm)
             else:
-                raise ValueError(f"stage {self.stage}: cannot execute {head}")
-            end = self.clock.mark()
-            marks.append((begin, end))
-            if head.op == Op.B:
-                last_backward = end
-            self.tracker.sample()
-            peak_live = max(peak_live, self.tracker.live_microbatches())
+                self._issue(state, unit)
+            self._end_unit(state, head, begin)
 
+        readback = readback or self._read_back(state.losses, grad_norm)
+        # What the report measured on the host, before the next step's first unit resets it.
+        peak_act = self.tracker.peak_bytes
+        peak_device = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
+        a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
+        self.tracker.clear()
+        state.release()
+        if next_sample_ids is not None and self._runs_ahead:
+            self._run_ahead(step + 1, next_sample_ids)
         # The report waits for what it reads, not for the optimizer: the next step is issued
         # while the optimizer's kernels still run.
-        readback = readback or self._read_back(losses, grad_norm)
         self.clock.wait(readback.mark, f"{where}: report")
+        marks = state.marks
         n_done = next((i for i, (_, e) in enumerate(marks) if not self.clock.passed(e)), len(marks))
         if n_done < len(marks):
             self._pending = (step, marks[n_done:], self.clock.anchor)
@@ -273,25 +267,97 @@ class StageRuntime:
         compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
                       if is_compute)
         loss_values, norm, expert_tokens, dropped = readback.values()
-        peak_act = self.tracker.peak_bytes
-        a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
-        a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
-        self.tracker.clear()
-        inputs.clear(), outputs.clear(), grad_out.clear()
         reported = time.time()
         return StepReport(
             rank=self.rank, stage=self.stage, step=step, losses=loss_values, times=times,
             compute_s=compute,
             start=times[0] if times else t_start,
-            end_of_backward=self.clock.seconds(last_backward) if last_backward is not None else t_start,
+            end_of_backward=self.clock.seconds(state.last_backward) if state.last_backward is not None else t_start,
             wall_s=reported - t_start, called=t_start, reported=reported,
-            peak_activation_bytes=peak_act,
-            peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
-            peak_live_microbatches=peak_live, released_outputs=released,
+            peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
+            peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
             grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
-            pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times,
+            pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
+
+    def _begin(self, step: int, sample_ids: list[int]) -> "_StepState":
+        """Load a step's batch and reset what a step measures."""
+        n_mb = self._n_mb
+        if n_mb == 0:
+            raise ValueError(f"stage {self.stage}: no program to run (set_program was not called)")
+        if len(sample_ids) % n_mb:
+            raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
+        tokens, labels = self._load(sample_ids, n_mb)
+        # Per-sample dropout seeds: the masks follow the sample, not the micro-batch or grid.
+        seeds = (sample_seeds(self.cfg.train.seed, step, sample_ids, self.device).chunk(n_mb)
+                 if self.cfg.model.dropout > 0 else None)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.clear()
+        self.tracker.reset_peak()
+        for moe in self.moe_layers.values():
+            moe.stats.reset()
+            # The step loss is the mean of the micro-batch losses: aux losses scale alike.
+            moe.aux_scale = 1.0 / n_mb
+        self.clock.start()
+        # Shapes follow the step's program, so one worker group can run any schedule and count.
+        act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
+        return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape)
+
+    def _issue(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
+        """Issue one unit that moves a step's tensors: an exchange, a forward, a backward or a release."""
+        head = unit[0]
+        if head.is_comm:
+            self._exchange(state, unit)
+        elif head.op == Op.F:
+            state.outputs[head.mb] = self._forward(state, head.mb)
+        elif head.op == Op.B:
+            self._backward(state, head.mb)
+            if self.cfg.runtime.release:
+                state.grad_out.pop(head.mb, None)
+                if self.is_first:
+                    self._forget(head.mb, state.inputs, state.outputs)
+        elif head.op == Op.RELEASE_OUT:
+            out = state.outputs[head.mb]
+            if _releasable(out):
+                out.untyped_storage().resize_(0)
+                state.released += 1
+        elif head.op == Op.RELEASE_IN:
+            self._forget(head.mb, state.inputs, state.outputs)
+        else:
+            raise ValueError(f"stage {self.stage}: cannot execute {head}")
+
+    def _end_unit(self, state: "_StepState", head: Action, begin) -> None:
+        end = self.clock.mark()
+        state.marks.append((begin, end))
+        if head.op == Op.B:
+            state.last_backward = end
+        self.tracker.sample()
+        state.peak_live = max(state.peak_live, self.tracker.live_microbatches())
+
+    def _run_ahead(self, step: int, sample_ids: list[int]) -> None:
+        """Issue step `step`'s first unit (a forward, which talks to no peer) now; the call
+        for that step goes on from there (`_take_ahead`)."""
+        state = self._begin(step, sample_ids)
+        head = self._units[0][0]
+        host_wait.check(f"stage {self.stage}: step {step}")
+        state.issued.append(time.time())
+        begin = self.clock.mark()
+        self._issue(state, self._units[0])
+        self._end_unit(state, head, begin)
+        self._ahead = state
+
+    def _take_ahead(self, step: int, sample_ids: list[int]) -> "_StepState | None":
+        """The step issued ahead, if it is this one; one issued for another batch is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.step == step and ahead.sample_ids == list(sample_ids):
+            return ahead
+        return None
+
+    def _drop_ahead(self) -> None:
+        """Forget a step issued ahead: the weights or the program change before it runs."""
+        self._ahead = None
 
     def finish_pending(self) -> tuple[int | None, list[float]]:
         """Wait for the units the last report did not have: (their step, their times), as a
@@ -326,15 +392,15 @@ class StageRuntime:
         y = y.to(self.device, non_blocking=True).chunk(n_mb)
         return x, y
 
-    def _forward(self, mb: int, tokens, labels, inputs, n_mb: int, losses: list) -> torch.Tensor:
+    def _forward(self, state: "_StepState", mb: int) -> torch.Tensor:
         self._mb = mb
         if self.is_first:
-            x = tokens[mb]
-            inputs[mb] = x
+            x = state.tokens[mb]
+            state.inputs[mb] = x
         else:
-            x = inputs[mb]
-        target = labels[mb] if self.is_last else None
-        seeds = self._seeds[mb] if self._seeds is not None else None
+            x = state.inputs[mb]
+        target = state.labels[mb] if self.is_last else None
+        seeds = state.seeds[mb] if state.seeds is not None else None
         with self.tracker.recording(mb):
             if self.recompute == "stage":
                 self.tracker.hold(mb, x)
@@ -342,21 +408,22 @@ class StageRuntime:
             else:
                 out = self.model(x, target, seeds)
         if self.is_last:
-            losses.append(out.detach())
+            state.losses.append(out.detach())
             # The step's loss is the mean over micro-batches: scale each one's gradient.
-            out = out / n_mb
+            out = out / self._n_mb
         self.tracker.hold(mb, out)
         return out
 
-    def _backward(self, mb: int, inputs, outputs, grad_out) -> None:
-        out = outputs[mb]
+    def _backward(self, state: "_StepState", mb: int) -> None:
+        out = state.outputs[mb]
         if self.is_last:
             torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, grad_out[mb])
+            torch.autograd.backward(out, state.grad_out[mb])
         self.tracker.backward_done(mb)
 
-    def _exchange(self, unit: tuple[Action, ...], inputs, outputs, grad_out) -> None:
+    def _exchange(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
+        inputs, outputs, grad_out = state.inputs, state.outputs, state.grad_out
         sends, recvs = [], []
         for a in unit:
             if a.op == Op.SEND_F:
@@ -364,7 +431,7 @@ class StageRuntime:
             elif a.op == Op.SEND_B:
                 sends.append((inputs[a.mb].grad, self.groups.prev_rank))
             elif a.op == Op.RECV_F:
-                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                buf = torch.empty(state.act_shape, dtype=self.act_dtype, device=self.device)
                 inputs[a.mb] = buf
                 recvs.append((buf, self.groups.prev_rank))
             elif a.op == Op.RECV_B:
@@ -425,9 +492,11 @@ class StageRuntime:
         return time.perf_counter() - t0
 
     def load_checkpoint(self, read, names: set[str], same_grid: bool) -> list[str]:
+        self._drop_ahead()
         return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device)
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        self._drop_ahead()
         return self.optimizer.load_(tensors)
 
     def parameters_cpu(self) -> dict[str, torch.Tensor]:
