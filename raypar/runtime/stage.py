@@ -333,8 +333,10 @@ class StageRuntime:
         state.marks.append((begin, end))
         if head.op == Op.B:
             state.last_backward = end
-        self.tracker.sample()
-        state.peak_live = max(state.peak_live, self.tracker.live_microbatches())
+        if head.op == Op.F or head.is_comm:
+            # Only a forward or a receive adds activations: the peak follows one of them.
+            self.tracker.sample()
+            state.peak_live = max(state.peak_live, self.tracker.live_microbatches())
 
     def _run_ahead(self, step: int, sample_ids: list[int]) -> None:
         """Issue step `step`'s first unit (a forward, which talks to no peer) now; the call
