@@ -61,6 +61,23 @@ class MasterOptimizer:
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             fused=True,
         )
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """AdamW's state as its first step would make it (zero moments, step 0), made now.
+
+        Made lazily, the moments would take the blocks the first step's activations left in
+        the caching allocator, and the second step would allocate new ones in the middle of
+        its forwards (cudaMalloc on the host's path to the next kernel). Made first, they
+        also count in the memory a worker holds from the start.
+        """
+        for group in self.optimizer.param_groups:
+            for m in group["params"]:
+                self.optimizer.state[m] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=m.device),  # fused: fp32, on the device
+                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+                }
 
     @staticmethod
     def _accumulate_into(master: torch.Tensor):
@@ -93,7 +110,8 @@ class MasterOptimizer:
         grads = self.grads() if grads is None else grads
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
-        return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        # One multi-tensor kernel for every gradient's norm, as clip_grad_norm_ does; fp32 sums.
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
     def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Overwrite parameters (and their fp32 masters) by name; returns the names set."""

@@ -10,6 +10,7 @@ import torch
 from raypar.config import ModelConfig
 from raypar.model import (
     PartitionError,
+    RMSNorm,
     Transformer,
     apply_rope,
     build_stage,
@@ -275,6 +276,32 @@ def test_rope_relative_positions():
 
     torch.testing.assert_close(score(5, 3), score(9, 7))
     torch.testing.assert_close(apply_rope(q.view(1, 1, 1, 8), cos[3:4], sin[3:4]).norm(), q.norm())
+
+
+def test_rope_is_rotate_half_with_the_sign_in_the_table():
+    """apply_rope's roll against the signed sin table gives Llama's rotate_half rotation."""
+    hd, t = 8, 6
+    theta = 10000.0
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd))
+    freqs = torch.outer(torch.arange(t).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    x = torch.randn(2, 3, t, hd, generator=torch.Generator().manual_seed(1))
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
+    cos, sin = rope_tables(hd, t, theta)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+
+
+def test_rmsnorm_normalises_bf16_in_fp32():
+    norm = RMSNorm(16, eps=1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    x = (torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2)) * 40).to(torch.bfloat16)
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()).to(torch.bfloat16)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_meta_build_and_reset_buffers():

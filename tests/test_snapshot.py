@@ -9,7 +9,7 @@ from torch import nn
 from raypar.config import TrainConfig
 from raypar.optim import MasterOptimizer
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import rng_states, state_layout, state_tensors
+from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors
 from raypar.topology import Grid
 
 
@@ -45,6 +45,41 @@ def test_layout_known_before_the_first_step_matches_the_state_after_it():
             state = state_tensors(model, opt, Grid(1, 1, 1).coord(0), 0, torch.device("cpu"), **options)
             expected = {n: (t.shape, t.dtype) for n, t in state.items() if not n.startswith("rng.")}
             assert layout_before_first_step(dtype, **options) == expected, (dtype, options)
+
+
+def test_state_made_at_start_updates_as_adamws_own():
+    """AdamW's moments are made when the optimizer is (not at its first step): three steps
+    give the same weights, moments and step counts as AdamW left to make them itself."""
+    for dtype in (torch.bfloat16, torch.float32):
+        model, opt = trained(dtype)
+        assert all(len(opt.optimizer.state[m]) == 3 for m in opt.master)
+        torch.manual_seed(0)
+        ref = TwoLayers(dtype)
+        ref_opt = MasterOptimizer(ref, TrainConfig(lr=1e-2, warmup_steps=0))
+        ref_opt.optimizer.state.clear()  # as torch.optim.AdamW: made at its first step
+        torch.manual_seed(0)
+        TwoLayers(dtype)  # the same draws as trained()'s model
+        ref(torch.randn(4, 6, dtype=dtype)).float().pow(2).mean().backward()
+        ref_opt.step(0, total_norm=1.0)
+        for step in (1, 2):
+            x = torch.randn(4, 6, dtype=dtype)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x).float().pow(2).mean().backward()
+                o.step(step, total_norm=1.0)
+        for m, r in zip(opt.master, ref_opt.master):
+            assert torch.equal(m, r)
+            for key, value in opt.optimizer.state[m].items():
+                assert torch.equal(value, ref_opt.optimizer.state[r][key]), key
+        assert float(opt.optimizer.state[opt.master[0]]["step"]) == 3
+
+
+def test_a_load_without_optimizer_state_starts_adamw_fresh():
+    model, opt = trained(torch.bfloat16)
+    saved = state_tensors(model, opt, None, 0, torch.device("cpu"), save_optimizer=False)
+    missing = load_state(opt, saved.__getitem__, set(saved), None, torch.device("cpu"), threads=1)
+    assert missing == [n for n, _ in opt.named_params]
+    for m in opt.master:
+        assert all(not t.any() for t in opt.optimizer.state[m].values())
 
 
 def take(snap: StateSnapshot, step: int, model, opt, **options) -> dict[str, torch.Tensor]:

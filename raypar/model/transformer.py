@@ -51,10 +51,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        # bf16 has too little mantissa for a stable mean of squares; normalise in fp32.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # Normalises in fp32 for bf16 inputs (too little mantissa for a stable mean of
+        # squares) and multiplies by the weight before casting back; one fused kernel on GPU.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,24 +61,23 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin tables of shape [max_seq_len, head_dim], in fp32."""
+    """cos and signed sin tables of shape [max_seq_len, head_dim], in fp32.
+
+    rotate_half pairs element i with i + hd/2 and negates the second half's partner; the
+    sign is folded into the sin table (its first half is -sin), so `apply_rope` rotates
+    with one roll instead of a split, a negation and a concatenation, with the same values.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     pos = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)
-    # Both halves of a head share the frequencies: rotate_half pairs element i with i + hd/2.
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [b, heads, t, head_dim] by position tables cos/sin [t, head_dim]."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate x [b, heads, t, head_dim] by `rope_tables`' cos / signed sin [t, head_dim]
+    (in x's dtype: `Transformer` casts them once, not per layer)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,6 +223,16 @@ class Transformer(nn.Module):
         cfg = self.cfg
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin
+        self._rope_cast: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _rope(self, t: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The first `t` positions of the rotary tables in `dtype`, cast once per (device, dtype)."""
+        cos, sin = self.rope_cos, self.rope_sin
+        key = (cos.device, dtype, cos.data_ptr())  # the pointer moves with .to() and to_empty
+        cast = self._rope_cast.get(key)
+        if cast is None:
+            self._rope_cast = {key: (cast := (cos.to(dtype), sin.to(dtype)))}
+        return cast[0][:t], cast[1][:t]
 
     def forward(self, x: Tensor, labels: Tensor | None = None, seeds: Tensor | None = None) -> Tensor:
         """Loss (with labels), logits, or hidden states; `seeds`: per-sample dropout seeds [b]."""
@@ -239,7 +247,7 @@ class Transformer(nn.Module):
         t = h.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        cos, sin = self._rope(t, h.dtype)
 
         use_recompute = self.recompute and torch.is_grad_enabled()
         for block in self.layers.values():

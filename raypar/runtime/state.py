@@ -63,9 +63,8 @@ def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer: bool = True,
                  save_master: bool = True) -> Layout:
-    """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), known
-    before the first optimizer step creates AdamW's moments (shaped like the masters) and
-    step counts."""
+    """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), from
+    the parameters alone: AdamW's moments are shaped like the masters."""
     params = [(name, param.shape, param.dtype) for name, param, _ in _written(optimizer, coord)]
     return params_layout(params, optimizer.mixed, save_optimizer, save_master)
 
@@ -129,10 +128,17 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
             master.copy_(next(values))
             if master is not param:
                 param.copy_(master)
-            if name not in missing_optim:
-                state = optimizer.optimizer.state[master]
+            state = optimizer.optimizer.state[master]
+            if name in missing_optim:
+                for t in state.values():
+                    t.zero_()  # AdamW starts fresh, on a live worker too
+            else:
                 for key in ADAM_STATE:
-                    state[key] = next(values).to(device)
+                    value = next(values)
+                    if key in state and state[key].shape == value.shape:
+                        state[key].copy_(value)  # into the tensors the optimizer made at start
+                    else:
+                        state[key] = value.to(device)
     if rank is not None and f"rng.rank{rank}.cpu" in names:
         torch.set_rng_state(read(f"rng.rank{rank}.cpu"))
         if device.type == "cuda" and f"rng.rank{rank}.cuda" in names:
