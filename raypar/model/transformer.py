@@ -223,16 +223,15 @@ class Transformer(nn.Module):
         cfg = self.cfg
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin
-        self._rope_cast: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._rope_cast: tuple[tuple, Tensor, Tensor] | None = None
 
     def _rope(self, t: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The first `t` positions of the rotary tables in `dtype`, cast once per (device, dtype)."""
-        cos, sin = self.rope_cos, self.rope_sin
-        key = (cos.device, dtype, cos.data_ptr())  # the pointer moves with .to() and to_empty
-        cast = self._rope_cast.get(key)
-        if cast is None:
-            self._rope_cast = {key: (cast := (cos.to(dtype), sin.to(dtype)))}
-        return cast[0][:t], cast[1][:t]
+        """The first `t` positions of the rotary tables in `dtype`, cast once, not per layer."""
+        key = (self.rope_cos.device, self.rope_cos.data_ptr(), dtype)  # the pointer moves with .to(), to_empty
+        if self._rope_cast is None or self._rope_cast[0] != key:
+            self._rope_cast = (key, self.rope_cos.to(dtype), self.rope_sin.to(dtype))
+        _, cos, sin = self._rope_cast
+        return cos[:t], sin[:t]
 
     def forward(self, x: Tensor, labels: Tensor | None = None, seeds: Tensor | None = None) -> Tensor:
         """Loss (with labels), logits, or hidden states; `seeds`: per-sample dropout seeds [b]."""

@@ -134,11 +134,8 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
                     t.zero_()  # AdamW starts fresh, on a live worker too
             else:
                 for key in ADAM_STATE:
-                    value = next(values)
-                    if key in state and state[key].shape == value.shape:
-                        state[key].copy_(value)  # into the tensors the optimizer made at start
-                    else:
-                        state[key] = value.to(device)
+                    # Into the tensors the optimizer made at start (a checkpoint keeps step counts as [1]).
+                    state[key].copy_(next(values).reshape(state[key].shape))
     if rank is not None and f"rng.rank{rank}.cpu" in names:
         torch.set_rng_state(read(f"rng.rank{rank}.cpu"))
         if device.type == "cuda" and f"rng.rank{rank}.cuda" in names:
