@@ -18,7 +18,7 @@ from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.profile import profiled
-from raypar.runtime.stage import StepReport, StageRuntime
+from raypar.runtime.stage import ReportTail, StepReport, StageRuntime
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -37,7 +37,7 @@ class StepRefused(RuntimeError):
     """A step queued behind one that failed on this worker (or after `abort`): it waits for `reset`."""
 
 
-@ray.remote(concurrency_groups={"io": 1, "control": 1})
+@ray.remote(concurrency_groups={"io": 1, "control": 1, "report": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
         self.cfg: Config = config_from_dict(cfg)
@@ -161,6 +161,12 @@ class StageWorker:
             self._break_groups()
             raise
         return report
+
+    @ray.method(concurrency_group="report")
+    def finish_report(self, step: int) -> ReportTail:
+        """The rest of a report made before the device finished its step (`StepReport.complete`).
+        Runs beside run_step: the next step is being issued meanwhile."""
+        return self.runtime.finish_report(step)
 
     def finish_timing(self) -> tuple[int | None, list[float]]:
         """The last step's units that its report did not have (see `StepReport.pending_units`)."""

@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypar.config import Config
 from raypar.resources import ResourceError, WorkerResources
-from raypar.runtime.stage import StepReport, label_events, tail_events, unit_labels
+from raypar.runtime.stage import StepReport, complete_report, label_events, tail_events, unit_labels
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -329,6 +329,14 @@ class WorkerGroup:
     def collect_step(self, issued: "IssuedStep") -> list[StepReport]:
         """Every worker's report of an issued step (raises the first failure, or StepTimeout)."""
         reports = self._get(issued.refs, self.cfg.runtime.step_timeout_s, f"step {issued.step}")
+        # First stages report before their device ends the step; their next step is being
+        # issued while this waits for the rest.
+        waiting = [r for r in reports if not r.complete]
+        if waiting:
+            tails = self._get([self.workers[r.rank].finish_report.remote(r.step) for r in waiting],
+                              self.cfg.runtime.step_timeout_s, f"step {issued.step}'s first stages")
+            for r, tail in zip(waiting, tails):
+                complete_report(r, tail)
         return [label_events(r, self._labels[r.stage]) for r in reports]
 
     def collect_late(self) -> list[tuple[int, int | None, list[tuple[str, float, float]]]]:

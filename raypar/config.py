@@ -116,9 +116,12 @@ class RuntimeConfig:
     # the next step as the last ends, while the driver reads reports and starts saves;
     # 0: the driver waits for every step before sending the next.
     steps_ahead: int = 1
-    # The first stage issues the next step's first forward before it waits for its report's
-    # values (the gradient norm), so that forward runs right after the optimizer instead of
-    # after Ray returns the report and brings the next call; off: every step starts at its call.
+    # The first stage runs ahead of its device: it issues the next step's first forward
+    # before it reports, so that forward runs right after the optimizer instead of after Ray
+    # returns the report and brings the next call, and it reports without waiting for its
+    # device (at most one step ahead; the driver fetches the norm and its last units' times
+    # with a second call beside the next step). Off: it reports once its device has the
+    # norm, and every step starts at its call.
     forward_ahead: bool = True
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training

@@ -1,7 +1,9 @@
 """events.jsonl: each worker's measured unit spans per step, one line per (step, worker).
 
-A GPU worker reports a step once the device has passed what the report reads; the units
-still running then (the optimizer step) come with its next report as late events. The
+A GPU worker reports a step once the device has passed what the report reads and its
+last backward; the units still running then (the norm's all-reduce, the optimizer step)
+come with its next report as late events. (A first stage's report is completed before
+it gets here: `StageRuntime.finish_report`.) The
 log holds such a step's line until they arrive, so every line written is whole; `flush`
 writes what is held as it is (a run's last step, or steps before a failure).
 """

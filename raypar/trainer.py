@@ -368,7 +368,7 @@ class Trainer:
             step=step,
             loss=step_loss(reports),
             lr=reports[0].lr,
-            grad_norm=reports[0].grad_norm,
+            grad_norm=next(r.grad_norm for r in reports if r.stage == 0),  # the stage that reports it
             step_time_s=step_time,
             tokens_per_s=tokens / step_time,
             bubble_measured=measured_bubble(reports, grid),

@@ -1,4 +1,6 @@
 """GPU checks, run on the GPU machine: the NCCL path matches the reference; bf16 trains."""
+import math
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
     cfg = tiny_config(tmp_path, model={"dtype": "bfloat16", "dim": 256, "n_layers": 8},
                       parallel={"pp": 2, "schedule": "1f1b", "microbatches": 4}, train={"steps": steps},
                       runtime={"device": "cuda"})
-    Trainer(cfg).fit()
+    summary = Trainer(cfg).fit()
     run_dir = tmp_path / "run"
     by_rank: dict[int, dict[int, dict]] = defaultdict(dict)
     for line in (run_dir / "events.jsonl").read_text().splitlines():
@@ -80,6 +82,18 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
             if previous_end is not None:  # one stream: a step starts after the last one's optimizer
                 assert times[0] >= previous_end - 1e-3, (rank, step, times[0], previous_end)
             previous_end = times[-1]
+    # The first stage reports before its device ends the step; the rest of its report (the
+    # norm, its last units) completes it: the measured bubble is the one its events give.
+    from raypar.stats import is_compute
+
+    for record in summary.records:
+        step_events = [by_rank[rank][record.step]["events"] for rank in (0, 1)]
+        busy = sum(e - b for events in step_events for label, b, e in events
+                   if is_compute(label, "F") or is_compute(label, "B"))
+        window = (max(e for events in step_events for label, b, e in events if is_compute(label, "B"))
+                  - min(events[0][1] for events in step_events))
+        assert record.bubble_measured == pytest.approx(max(0.0, 1 - busy / (2 * window)), abs=1e-6), record.step
+        assert record.grad_norm > 0 and math.isfinite(record.grad_norm), record.step
 
 
 def test_gpu_checkpoints_resume_exactly(ray_session, tmp_path):

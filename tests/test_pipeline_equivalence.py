@@ -1,5 +1,8 @@
 """Pipelined training equals the single-process model: loss, every gradient, weights."""
+import dataclasses
+
 import pytest
+import torch
 
 from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
@@ -38,10 +41,17 @@ def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
     group = start_group(cfg, dataset)
     try:
         for step, (schedule, m) in enumerate(PLAN):
-            loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m)
+            loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m)
             where = f"step {step} ({schedule}, {m} micro-batches)"
             assert loss == pytest.approx(ref_loss, rel=RTOL), where
             assert_same(grads, ref_grads, RTOL, ATOL_BY_GRID.get(grid, ATOL), where)
+            # The first stage of every pipeline reports the whole model's norm; the others none.
+            ref_norm = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
+            for r in reports:
+                if r.stage == 0:
+                    assert r.grad_norm == pytest.approx(ref_norm, rel=RTOL), f"{where}, rank {r.rank}"
+                else:
+                    assert r.grad_norm is None, f"{where}, rank {r.rank}"
         assert_same(group.parameters(), ref.parameters(), RTOL, ATOL_BY_GRID.get(grid, ATOL), "weights")
     finally:
         group.shutdown()
@@ -74,5 +84,54 @@ def test_forward_issued_ahead_matches_single_process(ray_session, tmp_path, grid
                 ahead = r.issued[0] < r.called
                 assert ahead == (r.stage == 0 and step in TAKEN_AHEAD), f"{where}, rank {r.rank}"
         assert_same(group.parameters(), ref.parameters(), RTOL, ATOL_BY_GRID.get(grid, ATOL), "weights")
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("forward_ahead", [True, False])
+def test_first_stage_reports_before_its_device_and_its_tail_completes_it(ray_session, tmp_path, forward_ahead):
+    """A first stage's report does not wait for its device (`runtime.forward_ahead`): it lacks
+    the norm and its last backward's end until `finish_report` brings them; completed, it is
+    the report the stage makes when it waits."""
+    import ray
+
+    from raypar.data import split_batch
+    from raypar.runtime.stage import ReportTail, complete_report
+    from raypar.schedule import build_programs
+
+    cfg = tiny_config(tmp_path, model={"n_layers": 4}, parallel={"pp": 2}, runtime={"forward_ahead": forward_ahead})
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=cfg.train.seed)
+    ref = ReferenceTrainer(cfg)
+    group = start_group(cfg, dataset)
+    try:
+        group.set_programs(build_programs("1f1b", 2, 4))
+        batch = order.indices(0, cfg.train.global_batch_size)
+        first, last = ray.get(group.issue_step(0, [batch, batch], capture_grads=True).refs)
+        tokens, labels = dataset.get(batch)
+        _, ref_grads = ref.step(0, tokens, labels)
+        ref_norm = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
+        assert last.complete and last.grad_norm is None and last.losses
+        if not forward_ahead:
+            assert first.complete and first.grad_norm == pytest.approx(ref_norm, rel=RTOL)
+            return
+        assert not first.complete and first.grad_norm is None
+        tail = ray.get(group.workers[0].finish_report.remote(0))
+        assert isinstance(tail, ReportTail) and tail.grad_norm == pytest.approx(ref_norm, rel=RTOL)
+        with pytest.raises(ValueError, match="no report of step 0 waits"):
+            ray.get(group.workers[0].finish_report.remote(0))  # taken once
+        with pytest.raises(ValueError, match="cannot complete step 1"):
+            complete_report(dataclasses.replace(first, step=1), tail)
+        report = complete_report(first, tail)
+        assert report.complete and report.grad_norm == tail.grad_norm and report.pending_units == 0
+        assert len(report.times) == 2 * len(group._labels[0])  # every unit timed
+        ends_of_backward = [e for (label, _, e) in zip(group._labels[0], report.times[0::2], report.times[1::2])
+                            if label.startswith("B")]
+        assert report.end_of_backward == ends_of_backward[-1]
+        # The next step goes on as usual: its report completed by the group, like any other.
+        batch = order.indices(cfg.train.global_batch_size, cfg.train.global_batch_size)
+        ids = [split_batch(batch, 1, 0)] * 2
+        reports = group.collect_step(group.issue_step(1, ids))
+        assert all(r.complete for r in reports) and reports[0].grad_norm > 0
     finally:
         group.shutdown()

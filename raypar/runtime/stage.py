@@ -42,9 +42,9 @@ class StepReport:
     losses: list[float]  # per micro-batch, last stage only
     # Start and end (wall-clock seconds) of each unit of the program (`comm_groups`), in order,
     # flat: [start0, end0, start1, end1, ...]. The driver knows the program and labels them.
-    # On GPU the report is made once the device has passed everything before the optimizer
-    # step: units it has not finished yet (`pending_units`, the last ones) come in the next
-    # report's `late_times`.
+    # On GPU the report is made once the device has passed what it reads: units it has not
+    # finished yet (`pending_units`, the last ones) come in the next report's `late_times`,
+    # or, for a report that is not `complete`, in its `ReportTail`.
     times: list[float]
     compute_s: float  # time in F and B
     start: float  # program start (wall clock)
@@ -60,9 +60,13 @@ class StepReport:
     tokens_dropped: int  # assignments over capacity, summed over MoE layers
     alltoall_bytes: int  # sent to other ranks of the ep group, forward and backward
     alltoall_s: float  # host time in all-to-all exchanges
-    grad_norm: float
+    grad_norm: float | None  # first stage only: one norm over the whole model, which that stage is last to finish
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
+    # False: a first stage reported without waiting for its device (`StageRuntime.finish_report`
+    # brings the rest); until `complete_report`, it lacks its pending units, end_of_backward
+    # and every value read from the device.
+    complete: bool = True
     pending_units: int = 0  # units at the program's end whose times this report lacks
     late_step: int | None = None  # the step `late_times` belong to (the last one this worker ran)
     late_times: list[float] = field(default_factory=list)  # that step's pending units, as `times`
@@ -71,6 +75,34 @@ class StepReport:
     # (label, start, end) per unit: filled in on the driver from `times` (see `label_events`)
     events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
     late_events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
+
+
+@dataclass
+class ReportTail:
+    """What a report that is not `complete` lacked, once the device has passed its step."""
+    step: int
+    times: list[float]  # the report's pending units, as `StepReport.times`
+    compute_s: float  # in those units
+    end_of_backward: float | None
+    losses: list[float]
+    grad_norm: float | None
+    expert_tokens: dict[str, list[int]]
+    tokens_dropped: int
+
+
+def complete_report(report: StepReport, tail: ReportTail) -> StepReport:
+    """`report` with what its tail brings: the same report the stage makes when it waits."""
+    if tail.step != report.step:
+        raise ValueError(f"rank {report.rank}: the tail of step {tail.step} cannot complete step {report.step}'s report")
+    report.times = report.times + tail.times
+    report.start = report.times[0] if report.times else report.start
+    report.compute_s += tail.compute_s
+    if tail.end_of_backward is not None:
+        report.end_of_backward = tail.end_of_backward
+    report.losses, report.grad_norm = tail.losses, tail.grad_norm
+    report.expert_tokens, report.tokens_dropped = tail.expert_tokens, tail.tokens_dropped
+    report.pending_units, report.complete = 0, True
+    return report
 
 
 def unit_labels(program: list[Action]) -> list[str]:
@@ -116,6 +148,16 @@ class _StepState:
         self.inputs.clear(), self.outputs.clear(), self.grad_out.clear()
 
 
+@dataclass
+class _Unfinished:
+    """A step reported before its device finished it: what `finish_report` waits for."""
+    marks: list[tuple[object, object]]  # its units the device had not passed
+    compute: list[bool]  # which of them are forwards or backwards
+    anchor: object  # the clock's anchor when it reported: one step's times come from one anchor
+    readback: "ReadBack"
+    last_backward: object | None
+
+
 class ReadBack:
     """The values a step report reads from the device, copied to host without a wait; `values`
     waits for nothing: the caller waits for `mark` first."""
@@ -129,10 +171,10 @@ class ReadBack:
         self._dropped = [host(t) for t in dropped]
         self.mark = clock.mark()  # passed once the copies are done
 
-    def values(self) -> tuple[list[float], float, dict[str, list[int]], int]:
+    def values(self) -> tuple[list[float], float | None, dict[str, list[int]], int]:
         """(losses, gradient norm, tokens routed per expert by layer, tokens dropped)."""
         return (self._losses.tolist() if self._losses is not None else [],
-                float(self._norm) if self._norm is not None else 0.0,
+                float(self._norm) if self._norm is not None else None,
                 {layer: t.tolist() for layer, t in self._routed.items()},
                 sum(int(t) for t in self._dropped))
 
@@ -191,6 +233,9 @@ class StageRuntime:
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
         self._pending: tuple[int, list[tuple[object, object]], object] | None = None
+        # Steps a first stage reported ahead of its device, until `finish_report` (another thread).
+        self._unfinished: dict[int, _Unfinished] = {}
+        self._step_end = None  # the end mark of the last step this stage issued
         self.set_program([])
         t1 = time.perf_counter()
         connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
@@ -212,13 +257,20 @@ class StageRuntime:
         # stage's first one, without MoE layers (whose all-to-alls need their group's peers).
         self._runs_ahead = (self.cfg.runtime.forward_ahead and self.is_first and not self.moe_layers
                             and bool(self._units) and self._units[0][0].op == Op.F)
+        # The first stage of a pipeline ends the backward, so a report that waits for its device
+        # leaves it only the optimizer's few milliseconds of queued work. It reports at once
+        # instead, and the driver fetches the rest (`finish_report`) while it issues the next step.
+        self._reports_ahead = self.cfg.runtime.forward_ahead and self.is_first and not self.is_last
+        self._unfinished.clear()
 
     def run_step(self, step: int, sample_ids: list[int], capture_grads: bool = False,
                  next_sample_ids: list[int] | None = None) -> StepReport:
         """Issue one step's program and report it once the device has passed what the report
-        reads. With `next_sample_ids` (the next step's batch), a first stage that may
-        (`runtime.forward_ahead`) issues the next step's first forward before it waits: that
-        forward runs right after this step's optimizer, however late the next call comes."""
+        reads and this stage's last backward. A first stage that runs ahead
+        (`runtime.forward_ahead`) reports at once instead (`finish_report` brings the rest)
+        and, with `next_sample_ids` (the next step's batch), first issues the next step's
+        first forward: that forward runs right after this step's optimizer, however late
+        the next call comes."""
         t_start = time.time()
         state = self._take_ahead(step, sample_ids) or self._begin(step, sample_ids)
         grad_norm, lr, grads = None, 0.0, None
@@ -232,9 +284,14 @@ class StageRuntime:
             state.issued.append(time.time())
             begin = self.clock.mark()
             if head.op == Op.REDUCE_GRAD:
+                if not self.is_first:
+                    # The first stage ends the backward, so it reports the norm; the others
+                    # report once their own backward is done and issue the next step while
+                    # the norm's all-reduce waits for the first stage.
+                    readback = self._read_back(state.losses, None)
                 grad_norm, grads = self._reduce_grads(capture_grads)
             elif head.op == Op.STEP:
-                readback = self._read_back(state.losses, grad_norm)  # before the optimizer writes
+                readback = readback or self._read_back(state.losses, grad_norm)  # before the optimizer writes
                 # The last snapshot's copies must be done before the optimizer writes.
                 stall += self.snapshot.wait()
                 lr = self.optimizer.step(step, grad_norm)
@@ -252,12 +309,21 @@ class StageRuntime:
         state.release()
         if next_sample_ids is not None and self._runs_ahead:
             self._run_ahead(step + 1, next_sample_ids)
-        # The report waits for what it reads, not for the optimizer: the next step is issued
-        # while the optimizer's kernels still run.
-        self.clock.wait(readback.mark, f"{where}: report")
         marks = state.marks
+        if self._reports_ahead:
+            # At most one step ahead of its device, as a plain training loop.
+            if self._step_end is not None:
+                self.clock.wait(self._step_end, f"{where}: the step before")
+            self._step_end = marks[-1][1] if marks else None
+        else:
+            # The report waits for what it reads, not for the optimizer: the next step is
+            # issued while the optimizer's kernels still run.
+            self.clock.wait(readback.mark, f"{where}: report")
         n_done = next((i for i, (_, e) in enumerate(marks) if not self.clock.passed(e)), len(marks))
-        if n_done < len(marks):
+        if self._reports_ahead:
+            self._unfinished[step] = _Unfinished(marks[n_done:], self._compute_units[n_done:], self.clock.anchor,
+                                                 readback, state.last_backward)
+        elif n_done < len(marks):
             self._pending = (step, marks[n_done:], self.clock.anchor)
         times = self._seconds(marks[:n_done])
         late_step, late_times = None, []
@@ -266,18 +332,23 @@ class StageRuntime:
             late_times = self._seconds(late_marks, late_anchor)
         compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
                       if is_compute)
-        loss_values, norm, expert_tokens, dropped = readback.values()
+        if self._reports_ahead:
+            loss_values, norm, expert_tokens, dropped = [], None, {}, 0
+            end_of_backward = t_start  # until its tail comes
+        else:
+            loss_values, norm, expert_tokens, dropped = readback.values()
+            end_of_backward = self.clock.seconds(state.last_backward) if state.last_backward is not None else t_start
         reported = time.time()
         return StepReport(
             rank=self.rank, stage=self.stage, step=step, losses=loss_values, times=times,
             compute_s=compute,
             start=times[0] if times else t_start,
-            end_of_backward=self.clock.seconds(state.last_backward) if state.last_backward is not None else t_start,
+            end_of_backward=end_of_backward,
             wall_s=reported - t_start, called=t_start, reported=reported,
             peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
             peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads,
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads, complete=not self._reports_ahead,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
 
@@ -360,6 +431,25 @@ class StageRuntime:
     def _drop_ahead(self) -> None:
         """Forget a step issued ahead: the weights or the program change before it runs."""
         self._ahead = None
+
+    def finish_report(self, step: int) -> ReportTail:
+        """Wait for the device to pass step `step`, reported ahead of it (`StepReport.complete`),
+        and return what its report lacked. Runs beside the next step's `run_step`."""
+        unfinished = self._unfinished.pop(step, None)
+        if unfinished is None:
+            raise ValueError(f"stage {self.stage}: no report of step {step} waits for its device "
+                             f"(steps waiting: {sorted(self._unfinished)})")
+        where = f"stage {self.stage}: step {step}'s report"
+        self.clock.wait(unfinished.readback.mark, where)
+        if unfinished.marks:
+            self.clock.wait(unfinished.marks[-1][1], where)
+        times = self._seconds(unfinished.marks, unfinished.anchor)
+        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(unfinished.compute) if is_compute)
+        last_backward = unfinished.last_backward
+        losses, norm, expert_tokens, dropped = unfinished.readback.values()
+        return ReportTail(step, times, compute,
+                          self.clock.seconds(last_backward, unfinished.anchor) if last_backward is not None else None,
+                          losses, norm, expert_tokens, dropped)
 
     def finish_pending(self) -> tuple[int | None, list[float]]:
         """Wait for the units the last report did not have: (their step, their times), as a
