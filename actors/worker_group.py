@@ -48,6 +48,9 @@ class IssuedStep:
 
     step: int
     refs: list  # one ObjectRef per worker, by rank
+    # time.perf_counter() when every run_step report was back, before any first stage's tail:
+    # the workers go on to the next step from there.
+    reports_back: float | None = None
 
 
 class WorkerGroup:
@@ -329,6 +332,7 @@ class WorkerGroup:
     def collect_step(self, issued: "IssuedStep") -> list[StepReport]:
         """Every worker's report of an issued step (raises the first failure, or StepTimeout)."""
         reports = self._get(issued.refs, self.cfg.runtime.step_timeout_s, f"step {issued.step}")
+        issued.reports_back = time.perf_counter()
         # First stages report before their device ends the step; their next step is being
         # issued while this waits for the rest.
         waiting = [r for r in reports if not r.complete]

@@ -118,10 +118,10 @@ class RuntimeConfig:
     steps_ahead: int = 1
     # The first stage runs ahead of its device: it issues the next step's first forward
     # before it reports, so that forward runs right after the optimizer instead of after Ray
-    # returns the report and brings the next call, and it reports without waiting for its
-    # device (at most one step ahead; the driver fetches the norm and its last units' times
-    # with a second call beside the next step). Off: it reports once its device has the
-    # norm, and every step starts at its call.
+    # returns the report and brings the next call, and on GPU it reports without waiting for
+    # its device (at most one step ahead; the driver fetches the norm and its last units'
+    # times with a second call beside the next step). Off: it reports once its device has
+    # the norm, and every step starts at its call.
     forward_ahead: bool = True
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training

@@ -352,11 +352,12 @@ class Trainer:
 
     def finish_step(self, pending: PendingStep, events_out: "EventLog | None" = None) -> StepRecord:
         """Wait for an issued step and make its record; its time runs from `step_started`
-        to when its reports are back."""
+        to when its reports are back (a first stage's tail, fetched afterwards, aside)."""
         cfg, grid, step, consumed = self.cfg, self.grid, pending.step, pending.consumed
         t0 = self.step_started(pending)
         reports = self.group.collect_step(pending.issued_step)
-        self._last_step_done = time.perf_counter()
+        # Not when the first stages' tails came: the workers were on the next step by then.
+        self._last_step_done = pending.issued_step.reports_back
         step_time = self._last_step_done - t0
         if events_out is not None:
             # Each action's measured span, per worker: enough to redraw the step's timeline.

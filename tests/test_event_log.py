@@ -53,3 +53,32 @@ def test_flush_writes_held_lines_after_a_failure():
     assert [(r["step"], r["events"]) for r in lines(out)] == [(3, [["F0", 0.0, 1.0]])]
     log.flush()
     assert len(lines(out)) == 1
+
+
+def test_a_reports_tail_completes_it_as_if_the_stage_had_waited():
+    """A first stage that reported ahead of its device (`StepReport.complete` false) gets
+    its last units' times, its end of backward and its device values from its tail."""
+    import dataclasses
+
+    import pytest
+
+    from raypar.runtime.stage import ReportTail, StepReport, complete_report
+
+    early = StepReport(
+        rank=0, stage=0, step=3, losses=[], times=[10.0, 10.5], compute_s=0.5, start=10.0,
+        end_of_backward=9.0, wall_s=0.1, called=9.0, reported=9.1, peak_activation_bytes=1, peak_device_bytes=2,
+        peak_live_microbatches=1, released_outputs=0, expert_tokens={}, tokens_dropped=0, alltoall_bytes=0,
+        alltoall_s=0.0, grad_norm=None, lr=1e-3, checkpoint_stall_s=0.0, complete=False, pending_units=3)
+    tail = ReportTail(step=3, times=[10.5, 11.5, 11.5, 11.6, 11.6, 11.9], compute_s=1.0, end_of_backward=11.5,
+                      losses=[], grad_norm=0.25, expert_tokens={"0": [3, 1]}, tokens_dropped=2)
+    with pytest.raises(ValueError, match="tail of step 3 cannot complete step 4"):
+        complete_report(dataclasses.replace(early, step=4), tail)
+    report = complete_report(early, tail)
+    assert report.complete and report.pending_units == 0
+    assert report.times == [10.0, 10.5, 10.5, 11.5, 11.5, 11.6, 11.6, 11.9]
+    assert report.start == 10.0 and report.compute_s == 1.5 and report.end_of_backward == 11.5
+    assert (report.grad_norm, report.expert_tokens, report.tokens_dropped) == (0.25, {"0": [3, 1]}, 2)
+    # Reported before the device had timed any unit: its start comes from the tail.
+    none_timed = complete_report(dataclasses.replace(early, times=[], compute_s=0.0, complete=False),
+                                 dataclasses.replace(tail, times=[10.0, 10.5] + tail.times))
+    assert none_timed.start == 10.0 and none_timed.compute_s == 1.0

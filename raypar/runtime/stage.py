@@ -320,7 +320,9 @@ class StageRuntime:
             # issued while the optimizer's kernels still run.
             self.clock.wait(readback.mark, f"{where}: report")
         n_done = next((i for i, (_, e) in enumerate(marks) if not self.clock.passed(e)), len(marks))
-        if self._reports_ahead:
+        # Incomplete only while the device is behind: on CPU the step ran as it was issued.
+        unfinished = self._reports_ahead and not (n_done == len(marks) and self.clock.passed(readback.mark))
+        if unfinished:
             self._unfinished[step] = _Unfinished(marks[n_done:], self._compute_units[n_done:], self.clock.anchor,
                                                  readback, state.last_backward)
         elif n_done < len(marks):
@@ -332,7 +334,7 @@ class StageRuntime:
             late_times = self._seconds(late_marks, late_anchor)
         compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
                       if is_compute)
-        if self._reports_ahead:
+        if unfinished:
             loss_values, norm, expert_tokens, dropped = [], None, {}, 0
             end_of_backward = t_start  # until its tail comes
         else:
@@ -348,7 +350,7 @@ class StageRuntime:
             peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
             peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads, complete=not self._reports_ahead,
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
 
