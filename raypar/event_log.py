@@ -2,10 +2,10 @@
 
 A GPU worker reports a step once the device has passed what the report reads and its
 last backward; the units still running then (the norm's all-reduce, the optimizer step)
-come with its next report as late events. (A first stage's report is completed before
-it gets here: `StageRuntime.finish_report`.) The
-log holds such a step's line until they arrive, so every line written is whole; `flush`
-writes what is held as it is (a run's last step, or steps before a failure).
+come with its next report as late events. (A first stage's report is completed before it
+gets here: `StageRuntime.finish_report`.) The log holds such a step's line until they
+arrive, so every line written is whole; `flush` writes what is held as it is (a run's
+last step, or steps before a failure).
 """
 from __future__ import annotations
 

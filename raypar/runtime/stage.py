@@ -179,6 +179,11 @@ class ReadBack:
                 sum(int(t) for t in self._dropped))
 
 
+def _compute_seconds(times: list[float], is_compute: list[bool]) -> float:
+    """Seconds in forwards and backwards, from flat (start, end) unit times and which units compute."""
+    return sum(end - start for start, end, c in zip(times[0::2], times[1::2], is_compute) if c)
+
+
 def _releasable(t: torch.Tensor) -> bool:
     # Freeing the data is safe only if nothing reads it in backward: not a view of a
     # larger buffer, and not the saved result of the op that produced it (exp, tanh, ...).
@@ -332,8 +337,7 @@ class StageRuntime:
         if previous is not None:
             late_step, late_marks, late_anchor = previous
             late_times = self._seconds(late_marks, late_anchor)
-        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(self._compute_units[:n_done])
-                      if is_compute)
+        compute = _compute_seconds(times, self._compute_units[:n_done])
         if unfinished:
             loss_values, norm, expert_tokens, dropped = [], None, {}, 0
             end_of_backward = t_start  # until its tail comes
@@ -446,7 +450,7 @@ class StageRuntime:
         if unfinished.marks:
             self.clock.wait(unfinished.marks[-1][1], where)
         times = self._seconds(unfinished.marks, unfinished.anchor)
-        compute = sum(times[2 * i + 1] - times[2 * i] for i, is_compute in enumerate(unfinished.compute) if is_compute)
+        compute = _compute_seconds(times, unfinished.compute)
         last_backward = unfinished.last_backward
         losses, norm, expert_tokens, dropped = unfinished.readback.values()
         return ReportTail(step, times, compute,
