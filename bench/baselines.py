@@ -43,7 +43,11 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "in it, as in raypar) and backward of its stage, the norm's all-reduce and the optimizer; "
          "compute vs alone = forward + backward per step / (micro-batches x the stage's cost alone); host ahead at the "
          "first unit: from when raypar's host began issuing a step's first unit to when the device began it "
-         "(the first stage issues it during the step before unless runtime.forward_ahead=false).")
+         "(the first stage issues it during the step before unless runtime.forward_ahead=false). "
+         "Step ms on the device: the slower stage's mean time from a step's first unit to the next step's, on its "
+         "device (a long run's pace; over a dozen steps the host clock also moves with the host's lead); "
+         "raypar / torch on the device: torch's over raypar's. With --repeats: the kept launches' ratio, then "
+         "raypar's over torch's launch by launch (each round runs both back to back) and the median of those.")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -61,6 +65,7 @@ def run(ctx: "Context") -> list[dict]:
     # With --repeats the launches interleave (raypar, torch, raypar, ...), so a drift of the
     # machine during the suite hits both sides alike.
     for launch in range(ctx.repeats):
+        first_of_launch = len(rows)
         rows += ctx.attempt("single device", lambda: single_device_row(cfg, data_path, ctx.cpu), min_time_s=15)
         for schedule, _ in schedules:
             label = f"raypar {schedule}"
@@ -83,6 +88,8 @@ def run(ctx: "Context") -> list[dict]:
         # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
         rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
                             lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
+        for r in rows[first_of_launch:]:
+            r["launch"] = launch  # raypar's and torch's launches of one round are compared pairwise
     if ctx.repeats > 1:
         rows = combine_launches(rows)
     if ctx.profile:
@@ -157,7 +164,11 @@ def combine_launches(rows: list[dict]) -> list[dict]:
         median = statistics.median(rates)
         row = dict(measured[(len(measured) - 1) // 2])  # a real launch, not an average of launches
         row.update(launches=len(runs), launches_measured=len(measured), tokens_per_s_launches=rates,
-                   tokens_per_s_median=median, spread=(rates[-1] - rates[0]) / median)
+                   tokens_per_s_median=median, spread=(rates[-1] - rates[0]) / median,
+                   device_step_ms_launches=[device_step_ms(r) for r in measured],
+                   by_launch=sorted(({"launch": r["launch"], "tokens_per_s": r["tokens_per_s"],
+                                      "device_step_ms": device_step_ms(r)} for r in measured if "launch" in r),
+                                     key=lambda x: x["launch"]))
         combined.append(row)
     return combined
 
@@ -185,6 +196,36 @@ def compare(rows: list[dict], cfg: "Config") -> None:
             for ours in rows:
                 if r["schedule"] in (ours.get("schedule"), ours.get("compared_to")) and "bubble_measured" in ours:
                     ours["vs_torch"] = ours["tokens_per_s"] / r["tokens_per_s"]
+                    theirs, mine = device_step_ms(r), device_step_ms(ours)
+                    if theirs and mine:
+                        ours["vs_torch_on_device"] = theirs / mine
+                    pairwise(ours, r)
+
+
+def pairwise(ours: dict, theirs: dict) -> None:
+    """raypar over torch launch by launch (the launches of one round ran back to back), and
+    the median of those ratios: one slow launch on either side then moves one ratio only."""
+    import statistics
+
+    mine, other = ({x["launch"]: x for x in row.get("by_launch") or []} for row in (ours, theirs))
+    rounds = sorted(set(mine) & set(other))
+    if not rounds:
+        return
+    ours["vs_torch_by_launch"] = [mine[i]["tokens_per_s"] / other[i]["tokens_per_s"] for i in rounds]
+    ours["vs_torch_median_pair"] = statistics.median(ours["vs_torch_by_launch"])
+    on_device = [other[i]["device_step_ms"] / mine[i]["device_step_ms"] for i in rounds
+                 if mine[i]["device_step_ms"] and other[i]["device_step_ms"]]
+    if len(on_device) == len(rounds):
+        ours["vs_torch_on_device_by_launch"] = on_device
+        ours["vs_torch_on_device_median_pair"] = statistics.median(on_device)
+
+
+def device_step_ms(row: dict) -> float | None:
+    """A run's step on the device: the slower stage's mean time from one step's first unit to
+    the next's. Timed on the host, a run of a dozen steps also moves with how far the host
+    gets ahead of its device between the first step and the last (a few ms per step)."""
+    steps = [b.get("device_step_ms") for b in row.get("breakdown") or []]
+    return max(steps) if steps and None not in steps else None
 
 
 # -- (a) one device ---------------------------------------------------------------------------
@@ -312,7 +353,9 @@ def step_breakdown(run_dir: str) -> list[dict]:
     units; window idle: the rest of the window (exchanges and waits for the other stage, the
     bubble); span: from the step's first unit to the end of its last; first unit's lead: how
     long before the device began the step's first unit the host began issuing it (near
-    zero, the device waited for the host);
+    zero, the device waited for the host); device step: from the step's first unit to the
+    next step's, on the device: the pace of a long run, whatever the host's lead does over
+    a short one;
     gradient norm and optimizer: REDUCE_GRAD (which waits for the other stage's last
     backward) and STEP; between steps: from the end of one step's last unit to the next
     step's first, the device idle; with it, when the step's report was made and when the
@@ -334,11 +377,12 @@ def step_breakdown(run_dir: str) -> list[dict]:
     by_stage: dict[int, list[dict]] = defaultdict(list)
     for records in by_rank.values():
         records.sort(key=lambda r: r["step"])
+        firsts = [min(b for _, b, _ in r["events"]) for r in records]
         previous_end = previous_report = None
         for i, r in enumerate(records):
             events = r["events"]
             span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
-            first, last = min(b for _, b, _ in events), max(e for _, _, e in events)
+            first, last = firsts[i], max(e for _, _, e in events)
             called, reported = r["call"]
             # How far the host was ahead of the device when the step's first unit began.
             lead = 1000 * (events[0][1] - r["issued"][0]) if r.get("issued") else None
@@ -353,6 +397,7 @@ def step_breakdown(run_dir: str) -> list[dict]:
                     "optimizer_ms": span(lambda label: label == "STEP"),
                     "between_steps_ms": 1000 * (first - previous_end), "first_unit_lead_ms": lead,
                     "span_ms": 1000 * (last - first),
+                    "device_step_ms": 1000 * (firsts[i + 1] - first) if i + 1 < len(records) else None,
                     "report_ms": 1000 * (previous_report - previous_end),
                     "next_call_ms": 1000 * (called - previous_end)})
             previous_end = last
@@ -562,8 +607,8 @@ def _mark(device: torch.device):
 
 def _phases(marks: list[tuple], device: torch.device) -> list[dict]:
     """ms per step of the schedule's window (its forwards, backwards and exchanges), its
-    forwards and backwards alone, the gradient norm, the optimizer, and the gap since the
-    step before, from `_mark` points."""
+    forwards and backwards alone, the gradient norm, the optimizer, the gap since the
+    step before, and from the step's start to the next's (device step), from `_mark` points."""
     ms = ((lambda a, b: a.elapsed_time(b)) if device.type == "cuda"
           else (lambda a, b: 1000 * (b - a)))
     phases = []
@@ -573,7 +618,8 @@ def _phases(marks: list[tuple], device: torch.device) -> list[dict]:
         phases.append({"window_ms": window, "forward_ms": forward, "backward_ms": backward,
                        "window_idle_ms": window - forward - backward, "grad_norm_ms": ms(window_end, norm_end),
                        "optimizer_ms": ms(norm_end, end),
-                       "between_steps_ms": ms(marks[i - 1][3], start) if i > 0 else None})
+                       "between_steps_ms": ms(marks[i - 1][3], start) if i > 0 else None,
+                       "device_step_ms": ms(start, marks[i + 1][0]) if i + 1 < len(marks) else None})
     return phases
 
 
@@ -593,29 +639,40 @@ def _free_port() -> int:
 def table(rows: list[dict]) -> str:
     fmt = lambda r, k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
 
+    def vs_torch(r: dict, kind: str) -> str:
+        """The kept launches' ratio, then each round's and their median."""
+        text = fmt(r, f"vs_torch{kind}", "{:.3f}")
+        if r.get(f"vs_torch{kind}_by_launch"):
+            rounds = " / ".join(f"{x:.3f}" for x in r[f"vs_torch{kind}_by_launch"])
+            text += f"; by launch {rounds}, median {r[f'vs_torch{kind}_median_pair']:.3f}"
+        return text
+
     def between(b: dict) -> str:
         parts = [b.get(k) for k in ("report_ms", "next_call_ms")]
         split = f" ({' / '.join(f'{p:+.1f}' for p in parts)})" if None not in parts else ""
         return fmt(b, "between_steps_ms", "{:.2f}") + split
-    lines = ["| run | tokens/s | step ms | bubble measured | vs single device | vs ideal 2-stage | raypar / torch | "
-             "final loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | tokens/s | step ms | step ms on the device | bubble measured | vs single device | "
+             "vs ideal 2-stage | raypar / torch | raypar / torch on the device | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("kind") == "profile":
             continue  # its own table below
         if r.get("kind") == "stage_costs":
             if "gpu_ms" in r:
                 lines.append(f"| {r['label']}: GPU {' / '.join(f'{x:.1f}' for x in r['gpu_ms'])} ms, host to issue it "
-                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | |")
+                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | | | |")
             continue
         label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
         if r.get("kind") == "single":
             label += f"; ideal 2-stage {r['ideal_2_stage_tokens_per_s']:,.0f} tokens/s" if "ideal_2_stage_tokens_per_s" in r else ""
         if r.get("launches_measured", 1) > 1:
             label += f"; median of {r['launches_measured']} launches, spread {r['spread']:.0%}"
+        on_device = device_step_ms(r)
         lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
+                     f"{f'{on_device:.1f}' if on_device else '-'} | "
                      f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
-                     f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_torch', '{:.2f}')} | "
-                     f"{fmt(r, 'final_loss', '{:.4f}')} |")
+                     f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {vs_torch(r, '')} | "
+                     f"{vs_torch(r, '_on_device')} | {fmt(r, 'final_loss', '{:.4f}')} |")
     broken = [r for r in rows if r.get("breakdown")]
     if broken:
         lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",

@@ -344,7 +344,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder, every suite's runs included")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="launch each baselines row this many times, interleaved; rows report the median and spread")
+                    help="launch each baselines row this many times, interleaved; rows report the median, the spread "
+                         "and raypar / torch launch by launch")
     ap.add_argument("--profile", action="store_true",
                     help="baselines: one more launch of raypar and torch with one step under torch.profiler; "
                          "rows give each stage's kernel time by kind and the device's busy time")

@@ -80,7 +80,8 @@ def test_every_suite_runs_on_cpu(tmp_path):
 def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
     """Launches of one config vary (BENCHMARKS.md): with --repeats each row is the median
     launch, with every launch's rate and the spread, and the ratios use those rows."""
-    out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2", "--profile")
+    # Three steps: the device step needs a step after the first with one after it.
+    out, results = run_bench_cpu("baselines", tmp_path, 300, "--repeats", "2", "--profile", "--steps", "3")
     rows = results["suites"]["baselines"]["rows"]
     costs = [r for r in rows if r.get("kind") == "stage_costs"]
     assert len(costs) == 1 and len(costs[0]["gpu_ms"]) == len(costs[0]["host_ms"]) == 2
@@ -99,6 +100,19 @@ def test_baselines_repeated_launches_report_median_and_spread(tmp_path):
     theirs = next(r for r in rows if r["label"] == "torch.distributed.pipelining Schedule1F1B")
     assert ours["vs_torch"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
     assert "median of 2 launches" in out.stdout
+    # The pace on the device: every stage's time from one step's first unit to the next's.
+    for r in (ours, theirs):
+        steps = [b["device_step_ms"] for b in r["breakdown"]]
+        assert len(steps) == 2 and all(s > 0 for s in steps) and len(r["device_step_ms_launches"]) == 2
+        assert max(steps) == pytest.approx(r["device_step_ms_launches"][0], rel=1e-9)
+    # Launch by launch: raypar's over torch's of the same round, and their median.
+    assert len(ours["vs_torch_by_launch"]) == len(ours["vs_torch_on_device_by_launch"]) == 2
+    assert ours["vs_torch_median_pair"] == pytest.approx(sum(ours["vs_torch_by_launch"]) / 2)
+    assert sorted(ours["vs_torch_by_launch"]) == pytest.approx(sorted(
+        a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours["by_launch"], theirs["by_launch"])))
+    assert "by launch" in out.stdout
+    assert ours["vs_torch_on_device"] == pytest.approx(max(b["device_step_ms"] for b in theirs["breakdown"])
+                                                       / max(b["device_step_ms"] for b in ours["breakdown"]))
     # The same run without the first forward issued ahead, side by side.
     off = next(r for r in rows if r["label"] == "raypar 1f1b, runtime.forward_ahead=false")
     assert off["config"]["runtime"]["forward_ahead"] is False and ours["config"]["runtime"]["forward_ahead"]

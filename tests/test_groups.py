@@ -1,0 +1,62 @@
+"""Which process groups a worker builds: every rank the same new_group calls, in the same order."""
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+
+from raypar.runtime import groups as groups_mod
+from raypar.topology import Grid
+
+WORLD = object()
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """torch.distributed as build_groups sees it: new_group records its ranks and returns
+    them as the group; the world is a sentinel."""
+    calls: list[tuple[int, ...]] = []
+    world_size = {"n": 0}
+
+    def new_group(ranks, timeout=None):
+        calls.append(tuple(ranks))
+        return tuple(ranks)
+
+    fake = SimpleNamespace(new_group=new_group, get_world_size=lambda group=None: world_size["n"],
+                           group=SimpleNamespace(WORLD=WORLD))
+    monkeypatch.setattr(groups_mod, "dist", fake)
+    return calls, world_size
+
+
+@pytest.mark.parametrize("dp,pp,ep", [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 2)])
+def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_world(fake_dist, dp, pp, ep):
+    calls, world_size = fake_dist
+    grid = Grid(dp=dp, pp=pp, ep=ep)
+    world_size["n"] = grid.size
+    timeout = timedelta(seconds=5)
+    per_rank = []
+    for rank in range(grid.size):
+        calls.clear()
+        g = groups_mod.build_groups(grid, rank, timeout)
+        per_rank.append(list(calls))
+        c = grid.coord(rank)
+        expected = {
+            "replica": grid.replica_ranks(c.dp),
+            "dense_grad": grid.dense_grad_ranks(c.pp),
+            "expert_grad": grid.expert_grad_ranks(c.pp, c.ep),
+            "ep": grid.ep_ranks(c.dp, c.pp),
+        }
+        for kind, ranks in expected.items():
+            got = getattr(g, kind)
+            assert rank in ranks
+            if len(ranks) == 1:
+                assert got is None, kind
+            elif len(ranks) == grid.size:
+                assert got is WORLD, kind
+            else:
+                assert got == tuple(ranks), kind
+    # new_group is collective over the world: a rank that skipped or reordered one would hang.
+    assert all(c == per_rank[0] for c in per_rank)
+    assert all(len(ranks) not in (1, grid.size) for ranks in per_rank[0])
+
