@@ -18,7 +18,8 @@ from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.profile import profiled
-from raypar.runtime.stage import ReportTail, StepReport, StageRuntime
+from raypar.runtime.report import ReportTail, StepReport
+from raypar.runtime.stage import StageRuntime
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -163,14 +164,14 @@ class StageWorker:
         return report
 
     @ray.method(concurrency_group="report")
-    def finish_report(self, step: int) -> ReportTail:
+    def report_tail(self, step: int) -> ReportTail:
         """The rest of a report made before the device finished its step (`StepReport.complete`).
         Runs beside run_step: the next step is being issued meanwhile."""
-        return self.runtime.finish_report(step)
+        return self.runtime.report_tail(step)
 
-    def finish_timing(self) -> tuple[int | None, list[float]]:
+    def late_units(self) -> tuple[int | None, list[float]]:
         """The last step's units that its report did not have (see `StepReport.pending_units`)."""
-        return self.runtime.finish_pending()
+        return self.runtime.late_units()
 
     def _profiling(self, step: int):
         """torch.profiler around step `step` if it is `runtime.profile_step`."""

@@ -366,8 +366,6 @@ def step_breakdown(run_dir: str) -> list[dict]:
     from collections import defaultdict
     from pathlib import Path
 
-    from raypar.stats import is_compute
-
     by_rank: dict[int, list[dict]] = defaultdict(list)
     with open(Path(run_dir) / "events.jsonl") as f:
         for line in f:
@@ -377,24 +375,25 @@ def step_breakdown(run_dir: str) -> list[dict]:
     by_stage: dict[int, list[dict]] = defaultdict(list)
     for records in by_rank.values():
         records.sort(key=lambda r: r["step"])
-        firsts = [min(b for _, b, _ in r["events"]) for r in records]
+        firsts = [min(b for _, _, b, _ in r["events"]) for r in records]
         previous_end = previous_report = None
         for i, r in enumerate(records):
             events = r["events"]
-            span = lambda pick: 1000 * sum(e - b for label, b, e in events if pick(label))  # noqa: E731
-            first, last = firsts[i], max(e for _, _, e in events)
+            # Each event is [label, op, start, end] (raypar.driver.event_log).
+            span = lambda kind: 1000 * sum(e - b for _, op, b, e in events if op == kind)  # noqa: E731
+            first, last = firsts[i], max(e for _, _, _, e in events)
             called, reported = r["call"]
             # How far the host was ahead of the device when the step's first unit began.
-            lead = 1000 * (events[0][1] - r["issued"][0]) if r.get("issued") else None
-            last_backward = max((e for label, _, e in events if is_compute(label, "B")), default=last)
-            forward, backward = span(lambda label: is_compute(label, "F")), span(lambda label: is_compute(label, "B"))
+            lead = 1000 * (events[0][2] - r["issued"][0]) if r.get("issued") else None
+            last_backward = max((e for _, op, _, e in events if op == "B"), default=last)
+            forward, backward = span("F"), span("B")
             window = 1000 * (last_backward - first)
             if i > 0:  # the first step pays for warm-up
                 by_stage[r["pp"]].append({
                     "forward_ms": forward, "backward_ms": backward, "window_ms": window,
                     "window_idle_ms": window - forward - backward,
-                    "grad_norm_ms": span(lambda label: label == "REDUCE_GRAD"),
-                    "optimizer_ms": span(lambda label: label == "STEP"),
+                    "grad_norm_ms": span("REDUCE_GRAD"),
+                    "optimizer_ms": span("STEP"),
                     "between_steps_ms": 1000 * (first - previous_end), "first_unit_lead_ms": lead,
                     "span_ms": 1000 * (last - first),
                     "device_step_ms": 1000 * (firsts[i + 1] - first) if i + 1 < len(records) else None,
@@ -485,7 +484,7 @@ def pipelining_worker(rank: int, port: int, cfg_dict: dict, schedules: list[str]
 
     try:
         if device_kind == "cuda":
-            # As raypar's GPU workers: lazy module loading can deadlock p2p (actors/worker_group.py).
+            # As raypar's GPU workers: lazy module loading can deadlock p2p (actors/placement.py).
             os.environ["CUDA_MODULE_LOADING"] = "EAGER"
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)

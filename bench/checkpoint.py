@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raypar.callbacks import Callback
-from raypar.trainer import Trainer
+from raypar.driver.callbacks import Callback
+from raypar.driver.trainer import Trainer
 
 if TYPE_CHECKING:
     from raypar.config import Config
-    from raypar.trainer import RunSummary
+    from raypar.driver.records import RunSummary
 
     from bench.run import Context
 
@@ -36,8 +36,8 @@ NOTES = ("stall: time the step loop was held up by a save (raypar: first save / 
          "raypar's MiB/s is its own figure, bytes / the slowest shard's write time; a node's one writer "
          "writes its shards one after another, so with 2 shards on a node it can read up to 2x high: "
          "save to commit (snapshot, hand-off, write, commit) bounds it from below. "
-         "Load: read_manifest + WorkerGroup.load_checkpoint (same grid: into the workers that just saved; "
-         "resharded: Trainer.resume of a new pp=1 run, whose one worker reads what two read on pp=2, so it is "
+         "Load: read_manifest + WorkerCheckpoints.load (same grid: into the workers that just saved; "
+         "resharded: the resume of a new pp=1 run (Trainer.resumed.load_s), whose one worker reads what two read on pp=2, so it is "
          "also compared per byte read by the busiest worker); the files were just written, so reads may come "
          "from the page cache.")
 
@@ -169,7 +169,7 @@ def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> 
 class LoadAtEnd(Callback):
     """After the last step: wait for its save to commit, then time loading it on the same grid.
 
-    The same call a resume makes (WorkerGroup.load_checkpoint), into the workers that wrote
+    The same call a resume makes (WorkerCheckpoints.load), into the workers that wrote
     it, so the same-grid load costs no second launch.
     """
 
@@ -192,7 +192,7 @@ class LoadAtEnd(Callback):
         t0 = time.perf_counter()
         manifest = read_manifest(self.path)
         same = manifest.topology == {"dp": trainer.grid.dp, "pp": trainer.grid.pp, "ep": trainer.grid.ep}
-        loaded = trainer.group.load_checkpoint(self.path, same_grid=same)
+        loaded = trainer.group.checkpoints.load(self.path, same_grid=same)
         self.load_s = time.perf_counter() - t0
         self.busiest_bytes = max(r["bytes"] for r in loaded)
 
@@ -222,26 +222,14 @@ def resharded_load_row(ctx: "Context", saved_cfg: "Config", saved: dict, label: 
     overrides = ["parallel.pp=1", "checkpoint.every=0", f"checkpoint.resume={saved['path']}"]
     cfg = ctx.config(overrides, label, steps=saved["step"] + 1)
     cfg.data.path = saved_cfg.data.path
-    trainer = ctx.trainer(cfg, label, cls=TimedResume)
+    trainer = ctx.trainer(cfg, label)
     summary = trainer.fit()
-    if trainer.load_s is None:
+    resumed = trainer.resumed  # the load timed inside `fit`: manifest + every worker's read
+    if resumed.path is None:
         raise RuntimeError("the run did not resume from the checkpoint")
-    return ctx.row(label, cfg, summary, load_s=trainer.load_s, load_pp=1, bytes=saved["bytes"],
-                   load_bytes_per_s=saved["bytes"] / trainer.load_s,
-                   busiest_worker_bytes=max(r["bytes"] for r in trainer.loaded))
-
-
-class TimedResume(Trainer):
-    """Times the checkpoint load (manifest + every worker's read) inside `fit`."""
-
-    load_s: float | None = None
-
-    def resume(self, spec):
-        t0 = time.perf_counter()
-        out = super().resume(spec)
-        if spec is not None:
-            self.load_s = time.perf_counter() - t0
-        return out
+    return ctx.row(label, cfg, summary, load_s=resumed.load_s, load_pp=1, bytes=saved["bytes"],
+                   load_bytes_per_s=saved["bytes"] / resumed.load_s,
+                   busiest_worker_bytes=max(r["bytes"] for r in resumed.loaded))
 
 
 # -- the reference: the same state saved by torch ----------------------------------------------

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from raypar.callbacks import Callback
+from raypar.driver.callbacks import Callback
 
 if TYPE_CHECKING:
-    from raypar.trainer import Trainer
+    from raypar.driver.trainer import Trainer
 
     from bench.run import Context
 
@@ -48,11 +48,11 @@ class KillAfterCommit(Callback):
         if record.step == self.at and self.killed_at is None:
             trainer.saver.finish()
             # A standby still starting would not be used: measure the recovery it is there for.
-            ray.get([w.address.remote() for w, _ in trainer.group.standbys], timeout=300)
+            ray.get([w.address.remote() for w, _ in trainer.group.reserve.standbys], timeout=300)
             self.killed_at = time.time()
             ray.kill(trainer.group.workers[self.rank])
 
-    def on_recovery(self, trainer: "Trainer", event: dict) -> None:
+    def on_recovery(self, trainer: "Trainer", recovery) -> None:
         trainer.request_stop(save=False)
 
 

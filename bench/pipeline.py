@@ -19,7 +19,7 @@ import torch
 
 from raypar.config import load_config
 from raypar.model import Transformer, num_params
-from raypar.trainer import Trainer
+from raypar.driver.trainer import Trainer
 
 ROWS = [
     # (label, overrides)

@@ -42,11 +42,11 @@ import torch
 from bench import baselines, checkpoint, elastic, moe, scale
 from bench import kernels as kernels_bench
 from bench import pipeline as pipeline_bench
-from raypar.callbacks import Callback
+from raypar.driver.callbacks import Callback
 from raypar.config import Config, load_config
 from raypar.data import write_synthetic_corpus
 from raypar.model import Transformer, num_params
-from raypar.trainer import RunSummary, Trainer
+from raypar.driver import RunSummary, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CONFIG = str(ROOT / "configs" / "gpt-1b.yaml")
@@ -134,10 +134,10 @@ class Context:
     def log(self, label: str) -> Callable[[str], None]:
         return lambda s: print(f"  [{self.suite}: {label}] {s}", flush=True)
 
-    def trainer(self, cfg: Config, label: str, callbacks: list[Callback] = (), cls: type[Trainer] = Trainer) -> Trainer:
+    def trainer(self, cfg: Config, label: str, callbacks: list[Callback] = ()) -> Trainer:
         """A Trainer that logs with the row's label and stops when the suite's time is up."""
         stop = StopAtDeadline(self.deadline)
-        trainer = cls(cfg, callbacks=[*callbacks, stop], log=self.log(label))
+        trainer = Trainer(cfg, callbacks=[*callbacks, stop], log=self.log(label))
         trainer.bench_stop = stop  # read by row(): a run cut short says so
         return trainer
 

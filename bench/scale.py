@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raypar.callbacks import Callback
+from raypar.driver.callbacks import Callback
 
 if TYPE_CHECKING:
     from raypar.config import Config
-    from raypar.trainer import StepRecord, Trainer
+    from raypar.driver import StepRecord, Trainer
 
     from bench.run import Context
 
@@ -354,7 +354,7 @@ def loss_rows(ctx: "Context", label: str, cfg: "Config", kind: str, peak: float)
         rows.append({"label": lost_label, "kind": "lost worker",
                      "error": f"a worker was killed but no recovery was recorded (restarts {trainer.restarts})"})
         return rows
-    event = trainer.recoveries[0]
+    event = trainer.recoveries[0].to_dict()
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     rate = lambda rs: tokens / statistics.fmean(r.step_time_s for r in rs) if rs else None  # noqa: E731
     rows.append({"label": lost_label, "kind": "lost worker", "failed_grid": event["failed_grid"],

@@ -8,8 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from raypar import Trainer, load_config
-from raypar.callbacks import Callback
+from raypar import Callback, Trainer, load_config
 
 
 class StopWhenLossBelow(Callback):

@@ -15,13 +15,13 @@ __version__ = "0.1.0"
 
 from raypar.config import Config, ConfigError, load_config  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "Trainer", "load_config", "__version__"]
+__all__ = ["Callback", "Config", "ConfigError", "Trainer", "load_config", "__version__"]
 
 
 def __getattr__(name: str):
-    # The trainer pulls in Ray and the actors; keep `import raypar` light for pure users.
-    if name == "Trainer":
-        from raypar.trainer import Trainer
+    # The driver pulls in Ray and the actors; keep `import raypar` light for pure users.
+    if name in ("Trainer", "Callback"):
+        import raypar.driver
 
-        return Trainer
+        return getattr(raypar.driver, name)
     raise AttributeError(f"module 'raypar' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 import sys
 
-from raypar.cli import main
+from raypar.driver.cli import main
 
 sys.exit(main())

@@ -23,12 +23,13 @@ class TimelineError(ValueError):
 @dataclass(frozen=True)
 class Event:
     label: str  # the action(s) as the runtime wrote them, e.g. "F3" or "SEND_F3->1 RECV_B0<-1"
+    op: Op  # the op of the unit's first action
     start: float  # wall-clock seconds
     end: float
 
     @property
     def kind(self) -> str:
-        return event_kind(self.label)
+        return event_kind(self.op)
 
     @property
     def microbatches(self) -> list[int]:
@@ -62,20 +63,13 @@ KINDS: dict[str, str] = {
 }
 
 
-def event_kind(label: str) -> str:
-    try:
-        head = parse_program(label)[0]
-    except (ScheduleError, IndexError):
-        return "release/other"
-    if head.op == Op.F:
-        return "forward"
-    if head.op == Op.B:
-        return "backward"
-    if head.is_comm:
-        return "communication"
-    if head.op in (Op.REDUCE_GRAD, Op.STEP):
-        return "optimizer"
-    return "release/other"
+_KIND_OF_OP = {Op.F: "forward", Op.B: "backward", Op.SEND_F: "communication", Op.RECV_F: "communication",
+               Op.SEND_B: "communication", Op.RECV_B: "communication", Op.REDUCE_GRAD: "optimizer",
+               Op.STEP: "optimizer"}
+
+
+def event_kind(op: Op) -> str:
+    return _KIND_OF_OP.get(op, "release/other")
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,7 +95,7 @@ def load_step(run_dir: str | Path, step: int) -> list[WorkerEvents]:
             steps.add(row["step"])
             if row["step"] == step:
                 found.append(WorkerEvents(row["step"], row["rank"], row["dp"], row["pp"], row.get("ep", 0),
-                                          [Event(label, float(s), float(e)) for label, s, e in row["events"]]))
+                                          [Event(label, Op(op), float(s), float(e)) for label, op, s, e in row["events"]]))
     if not found:
         have = _ranges(sorted(steps)) if steps else "none"
         raise TimelineError(f"{path} has no events for step {step}; steps available: {have}")

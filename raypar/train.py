@@ -1,7 +1,7 @@
 """`python -m raypar.train [--config FILE] [section.key=value ...]`: same as `raypar train`."""
 import sys
 
-from raypar.cli import main
+from raypar.driver.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -13,10 +13,10 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from raypar.callbacks import Callback  # noqa: E402
+from raypar.driver.callbacks import Callback  # noqa: E402
 from raypar.config import config_from_dict  # noqa: E402
 from raypar.data import write_synthetic_corpus  # noqa: E402
-from raypar.trainer import Trainer  # noqa: E402
+from raypar.driver.trainer import Trainer  # noqa: E402
 
 
 class NodeChaos(Callback):

@@ -10,13 +10,13 @@ from pathlib import Path
 import ray
 import torch
 
-from raypar.callbacks import Callback
+from raypar.driver.callbacks import Callback
 from raypar.config import Config, config_from_dict
 from raypar.data import SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
 from raypar.reference import ReferenceTrainer
 from raypar.resources import WorkerResources
 from raypar.schedule import build_programs
-from raypar.stats import step_loss
+from raypar.driver.stats import step_loss
 from raypar.topology import Grid
 
 from conftest import WORKER_CPUS
@@ -80,9 +80,10 @@ def start_group_on(cfg: Config, dataset: TokenDataset, device: str):
 
 def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: SampleOrder, step: int,
               schedule: str, microbatches: int, release: bool = True, device: str = "cpu",
-              announce: int | None = None):
+              announce: int | None = None, tol=None):
     """One step on the workers and on the reference, same samples. Returns both sides.
-    `announce`: the step whose batch the call names as the next one (for a forward issued ahead)."""
+    `announce`: the step whose batch the call names as the next one (for a forward issued ahead).
+    `tol` (tolerances.Tolerances) is given the step to bound what the two sides may differ by."""
     cfg, grid = group.cfg, group.grid
     gbs = cfg.train.global_batch_size
 
@@ -94,22 +95,31 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
     if group.programs != programs:  # programs go to the workers only when they change
         group.set_programs(programs)
     following = per_rank(order.indices(announce * gbs, gbs)) if announce is not None else None
-    reports = group.collect_step(group.issue_step(step, per_rank(batch), capture_grads=True,
-                                                  next_sample_ids=following))
+    reports = group.run_step(step, per_rank(batch), capture_grads=True, next_sample_ids=following)
     grads: dict[str, torch.Tensor] = {}
     for r in reports:
         for name, g in r.grads.items():
             grads.setdefault(name, g)
     tokens, labels = dataset.get(batch)
     ref_loss, ref_grads = ref.step(step, tokens.to(device), labels.to(device), sample_ids=batch)
+    if tol is not None:
+        tol.observe(step, tokens.to(device), labels.to(device), batch, ref_loss, ref_grads,
+                    [r.grad_norm for r in reports if r.grad_norm is not None])
     return step_loss(reports), grads, ref_loss, ref_grads, reports
 
 
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, atol: float, where: str) -> None:
-    """Same names, and every tensor close: gradients or weights against the reference."""
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: dict[str, torch.Tensor],
+                where: str) -> None:
+    """Same names, and every element within its bound (tests/tolerances.py) of the reference's."""
     assert got.keys() == want.keys(), where
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol, msg=lambda m: f"{where} {name}: {m}")
+        diff = (got[name].to(w.device) - w).abs()
+        over = diff > bound[name]
+        if over.any():
+            i = int((diff - bound[name]).flatten().argmax())
+            raise AssertionError(f"{where} {name}: {int(over.sum())} of {w.numel()} elements out of bounds, worst at "
+                                 f"flat index {i}: |{float(got[name].flatten()[i]):.9g} - {float(w.flatten()[i]):.9g}| "
+                                 f"= {float(diff.flatten()[i]):.3g} > {float(bound[name].expand_as(w).flatten()[i]):.3g}")
 
 
 class KillWorker(Callback):

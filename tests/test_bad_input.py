@@ -9,7 +9,7 @@ from raypar.config import ConfigError, load_config
 from raypar.data import DataError
 from raypar.resources import ResourceError, plan_resources
 from raypar.topology import Grid
-from raypar.trainer import Trainer
+from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
 

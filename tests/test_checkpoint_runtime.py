@@ -4,8 +4,8 @@ import ray
 import torch
 
 from raypar.checkpoint import CheckpointReader, checkpoint_dir, cleanup_uncommitted, latest, list_committed
-from raypar.callbacks import StepFunction
-from raypar.trainer import Trainer
+from raypar.driver.callbacks import StepFunction
+from raypar.driver.trainer import Trainer
 
 from helpers import run_config
 
@@ -64,7 +64,7 @@ def _kill_during_save(at_step, kill):
 def test_writer_killed_mid_save_loses_only_that_save(ray_session, tmp_path, data):
     cfg = config(tmp_path, "run", steps=6, every=2, keep_last=5)
     trainer = Trainer(cfg)
-    trainer.callbacks.append(StepFunction(_kill_during_save(4, lambda: [ray.kill(w) for w in trainer.group._writers.values()])))
+    trainer.callbacks.append(StepFunction(_kill_during_save(4, lambda: [ray.kill(w) for w in trainer.group.checkpoints.writers.values()])))
     summary = trainer.fit()
     root = tmp_path / "run" / "ckpt"
     assert [s for s, _ in list_committed(root)] == [2, 6]

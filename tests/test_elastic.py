@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import ray
 
-from raypar.callbacks import Callback
+from raypar.driver.callbacks import Callback
 from raypar.config import config_from_dict
-from raypar.elastic import Plan, State, StateMachine, plan_grid
+from raypar.driver.policies import Plan, plan_grid
+from raypar.driver.states import State, StateMachine
 from raypar.resources import ResourceError
 from raypar.topology import Grid
-from raypar.trainer import Trainer
+from raypar.driver.trainer import Trainer
 
 from helpers import KillWorker, last_loss_per_step, run_config
 
@@ -129,13 +130,13 @@ class KillWithStandby(Callback):
         rank = self.kills.pop(record.step, None)
         if rank is None:
             return
-        standby = trainer.group.standbys[0][0]
+        standby = trainer.group.reserve.standbys[0][0]
         ray.get(standby.address.remote(), timeout=60)  # the refilled one may still be starting
         self.standby_ids.append(standby._actor_id.hex())
         ray.kill(trainer.group.workers[rank])
 
     def on_recovery(self, trainer, event):
-        assert len(trainer.group.standbys) == 1  # refilled from the lost worker's resources
+        assert len(trainer.group.reserve.standbys) == 1  # refilled from the lost worker's resources
         self.grids_after.append([w._actor_id.hex() for w in trainer.group.workers])
 
 

@@ -3,14 +3,20 @@ import io
 import json
 from types import SimpleNamespace
 
-from raypar.event_log import EventLog
+from raypar.driver.event_log import EventLog
+from raypar.runtime.report import UnitSpan
+from raypar.schedule import parse_program
 from raypar.topology import Grid
 
 
+def spans(units) -> list[UnitSpan]:
+    return [UnitSpan(label, parse_program(label)[0].op, b, e) for label, b, e in units]
+
+
 def report(rank: int, step: int, events: list, pending: int = 0, late_step=None, late_events=()):
-    return SimpleNamespace(rank=rank, events=events, issued=[b - 0.001 for _, b, _ in events],
+    return SimpleNamespace(rank=rank, events=spans(events), issued=[b - 0.001 for _, b, _ in events],
                            pending_units=pending, late_step=late_step,
-                           late_events=list(late_events), called=0.0, reported=1.0)
+                           late_events=spans(late_events), called=0.0, reported=1.0)
 
 
 def lines(out: io.StringIO) -> list[dict]:
@@ -28,7 +34,7 @@ def test_a_step_with_pending_units_is_written_once_the_next_report_brings_them()
     log.add(1, [report(0, 1, [("F0", 4.0, 5.0)], pending=1, late_step=0, late_events=[("STEP", 1.0, 3.5)]),
                 report(1, 1, [("F0", 5.0, 6.0), ("STEP", 6.0, 7.0)])], GRID)
     written = {(r["step"], r["rank"]): r["events"] for r in lines(out)}
-    assert written[(0, 0)] == [["F0", 0.0, 1.0], ["STEP", 1.0, 3.5]]
+    assert written[(0, 0)] == [["F0", "F", 0.0, 1.0], ["STEP", "STEP", 1.0, 3.5]]
     assert (1, 0) not in written and (1, 1) in written
 
 
@@ -38,11 +44,11 @@ def test_the_last_steps_units_are_completed_or_flushed_as_they_are():
     out.close = lambda: text.append(out.getvalue())  # the log closes its file on exit
     with EventLog(out) as log:
         log.add(0, [report(0, 0, [("F0", 0.0, 1.0)], pending=1), report(1, 0, [("F0", 1.0, 2.0)], pending=1)], GRID)
-        log.complete(0, 0, [("STEP", 1.0, 2.0)])
-        log.complete(1, 7, [("STEP", 9.0, 9.5)])  # another step's tail (a re-planned run): not merged
+        log.complete(0, 0, spans([("STEP", 1.0, 2.0)]))
+        log.complete(1, 7, spans([("STEP", 9.0, 9.5)]))  # another step's tail (a re-planned run): not merged
     written = {r["rank"]: r["events"] for r in map(json.loads, text[0].splitlines())}
-    assert written[0] == [["F0", 0.0, 1.0], ["STEP", 1.0, 2.0]]
-    assert written[1] == [["F0", 1.0, 2.0]]
+    assert written[0] == [["F0", "F", 0.0, 1.0], ["STEP", "STEP", 1.0, 2.0]]
+    assert written[1] == [["F0", "F", 1.0, 2.0]]
 
 
 def test_flush_writes_held_lines_after_a_failure():
@@ -50,7 +56,7 @@ def test_flush_writes_held_lines_after_a_failure():
     log = EventLog(out)
     log.add(3, [report(0, 3, [("F0", 0.0, 1.0)], pending=1)], GRID)
     log.flush()
-    assert [(r["step"], r["events"]) for r in lines(out)] == [(3, [["F0", 0.0, 1.0]])]
+    assert [(r["step"], r["events"]) for r in lines(out)] == [(3, [["F0", "F", 0.0, 1.0]])]
     log.flush()
     assert len(lines(out)) == 1
 
@@ -62,7 +68,7 @@ def test_a_reports_tail_completes_it_as_if_the_stage_had_waited():
 
     import pytest
 
-    from raypar.runtime.stage import ReportTail, StepReport, complete_report
+    from raypar.runtime.report import ReportTail, StepReport, complete_report
 
     early = StepReport(
         rank=0, stage=0, step=3, losses=[], times=[10.0, 10.5], compute_s=0.5, start=10.0,

@@ -6,7 +6,7 @@ import torch
 
 from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
-from raypar.trainer import Trainer
+from raypar.driver.trainer import Trainer
 
 from helpers import start_group_on, step_both, synthetic_data, tiny_config
 
@@ -55,7 +55,7 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
     import json
     from collections import defaultdict
 
-    from raypar.runtime.stage import unit_labels
+    from raypar.runtime.report import program_units
     from raypar.schedule import build_programs
 
     steps = 5
@@ -76,22 +76,19 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
         previous_end = None
         for step in range(steps):
             events = records[step]["events"]
-            assert [e[0] for e in events] == unit_labels(programs[rank]), (rank, step)
-            times = [t for _, b, e in events for t in (b, e)]
+            assert [(e[0], e[1]) for e in events] == [(u.label, u.op) for u in program_units(programs[rank])], (rank, step)
+            times = [t for _, _, b, e in events for t in (b, e)]
             assert times == sorted(times), (rank, step, events)
             if previous_end is not None:  # one stream: a step starts after the last one's optimizer
                 assert times[0] >= previous_end - 1e-3, (rank, step, times[0], previous_end)
             previous_end = times[-1]
     # The first stage reports before its device ends the step; the rest of its report (the
     # norm, its last units) completes it: the measured bubble is the one its events give.
-    from raypar.stats import is_compute
-
     for record in summary.records:
         step_events = [by_rank[rank][record.step]["events"] for rank in (0, 1)]
-        busy = sum(e - b for events in step_events for label, b, e in events
-                   if is_compute(label, "F") or is_compute(label, "B"))
-        window = (max(e for events in step_events for label, b, e in events if is_compute(label, "B"))
-                  - min(events[0][1] for events in step_events))
+        busy = sum(e - b for events in step_events for _, op, b, e in events if op in ("F", "B"))
+        window = (max(e for events in step_events for _, op, b, e in events if op == "B")
+                  - min(events[0][2] for events in step_events))
         assert record.bubble_measured == pytest.approx(max(0.0, 1 - busy / (2 * window)), abs=1e-6), record.step
         assert record.grad_norm > 0 and math.isfinite(record.grad_norm), record.step
 

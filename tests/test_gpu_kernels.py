@@ -173,7 +173,7 @@ def test_multi_tensor_ema_matches_reference():
 
 def test_training_with_kernels_on_and_off_gives_the_same_losses(ray_session, tmp_path):
     from helpers import tiny_config
-    from raypar.trainer import Trainer
+    from raypar.driver.trainer import Trainer
 
     losses = {}
     for on in (True, False):

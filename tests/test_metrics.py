@@ -9,17 +9,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from raypar.metrics import (
-    CATALOG,
-    MetricsError,
-    MetricsExporter,
-    WorkerTimes,
-    build_exporter,
-    peak_flops_per_device,
-    stage_times,
-)
-from raypar.metrics.exporter import ray_metrics_agent_installed
-from raypar.trainer import StepRecord
+from raypar.driver.exporter import MetricsError, MetricsExporter, build_exporter, ray_metrics_agent_installed
+from raypar.driver.records import StepRecord
+from raypar.driver.stats import WorkerTimes, stage_times
+from raypar.metrics import CATALOG, peak_flops_per_device
 
 from helpers import tiny_config
 
@@ -106,7 +99,7 @@ def test_dense_runs_get_no_moe_series(exporter):
 
 
 def save(step, nbytes, write_s, duration_s, error=None):
-    # The fields of raypar.saver.SaveResult.
+    # The fields of raypar.driver.saver.SaveResult.
     return SimpleNamespace(step=step, bytes=nbytes, write_s=write_s, duration_s=duration_s, error=error)
 
 
@@ -128,7 +121,11 @@ def test_checkpoint_hooks_count_saves_by_outcome(exporter):
 
 
 def test_recovery_hook(exporter):
-    exporter.on_recovery(None, {"detection_s": 2.0, "recovery_s": 9.5, "failed": "rank 1"})
+    from raypar.driver.records import Recovery
+
+    recovery = Recovery(restart=1, error="RayActorError", failed_grid="dp=1 x pp=2 x ep=1", detection_s=2.0,
+                        salvage_s=0.5, steps_done=3, detected_at=0.0, recovery_s=9.5)
+    exporter.on_recovery(None, recovery)
     s = scrape(exporter.port)
     assert value(s, "raypar_restarts_total", run="t") == 1
     assert value(s, "raypar_recovery_seconds", run="t") == 9.5
@@ -194,17 +191,22 @@ def test_mfu_uses_the_device_peak(tmp_path):
 
 
 def test_stage_times_idle_adds_up_to_the_measured_bubble():
-    from raypar.stats import measured_bubble
+    from raypar.driver.stats import measured_bubble
+    from raypar.runtime.report import UnitSpan
+    from raypar.schedule import Op
     from raypar.topology import Grid
+
+    def spans(*units):
+        return [UnitSpan(label, Op(label[0]), b, e) for label, b, e in units]
 
     grid = Grid(1, 2, 1)
     # Two stages, 2 micro-batches of fthenb: stage 1 starts late and stage 0 waits for gradients.
     r0 = SimpleNamespace(rank=0, stage=0, start=0.0, end_of_backward=10.0,
-                         events=[("F0", 0.0, 1.0), ("F1", 1.0, 2.0), ("B0", 6.0, 8.0), ("B1", 8.0, 10.0)])
+                         events=spans(("F0", 0.0, 1.0), ("F1", 1.0, 2.0), ("B0", 6.0, 8.0), ("B1", 8.0, 10.0)))
     r1 = SimpleNamespace(rank=1, stage=1, start=1.0, end_of_backward=8.0,
-                         events=[("F0", 1.0, 2.0), ("F1", 2.0, 3.0), ("B0", 3.0, 5.0), ("B1", 5.0, 7.0)])
+                         events=spans(("F0", 1.0, 2.0), ("F1", 2.0, 3.0), ("B0", 3.0, 5.0), ("B1", 5.0, 7.0)))
     for r in (r0, r1):
-        r.compute_s = sum(e - b for _, b, e in r.events)
+        r.compute_s = sum(s.seconds for s in r.events)
     times = stage_times([r0, r1], grid)
     assert [(t.stage, t.forward_s, t.backward_s) for t in times] == [(0, 2.0, 4.0), (1, 2.0, 4.0)]
     window = 10.0
@@ -225,7 +227,7 @@ def ray_agent_samples(ray, run: str) -> dict[str, list]:
 
 @pytest.mark.timeout(120)
 def test_trainer_feeds_both_backends(ray_session, tmp_path):
-    from raypar.trainer import Trainer
+    from raypar.driver.trainer import Trainer
 
     cfg = tiny_config(tmp_path, train={"steps": 2}, runtime={"metrics": "standalone", "metrics_port": 0})
     exporter = build_exporter(cfg)
@@ -259,9 +261,9 @@ def test_trainer_feeds_both_backends(ray_session, tmp_path):
 
 
 def test_ray_backend_warns_without_a_metrics_agent(monkeypatch, caplog):
-    import raypar.metrics.exporter as exporter_module
+    import raypar.driver.exporter as exporter_module
 
     monkeypatch.setattr(exporter_module, "ray_metrics_agent_installed", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="raypar.metrics.exporter"):
+    with caplog.at_level(logging.WARNING, logger="raypar.driver.exporter"):
         MetricsExporter("ray")
     assert "runtime.metrics=standalone" in caplog.text

@@ -6,7 +6,7 @@ import pytest
 
 from raypar.config import ConfigError, load_config
 from raypar.runtime.profile import device_time, kernel_kind
-from raypar.trainer import Trainer
+from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
 

@@ -1,7 +1,7 @@
 """Progress lines degrade to plain lines off a terminal; status.json round-trips."""
 import io
 
-from raypar.progress import Progress, format_eta, format_status, read_status, write_status
+from raypar.driver.progress import Progress, format_eta, format_status, read_status, write_status
 
 
 def test_plain_lines_when_not_a_terminal():

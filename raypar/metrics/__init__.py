@@ -1,27 +1,8 @@
-"""Training metrics for Prometheus and Grafana: the catalog of names and the exporter."""
-from raypar.metrics.catalog import BY_NAME, CATALOG, MetricSpec, spec
-from raypar.metrics.exporter import (
-    BACKENDS,
-    MetricsError,
-    MetricsExporter,
-    WorkerTimes,
-    build_exporter,
-    detect_device_name,
-    peak_flops_per_device,
-    stage_times,
-)
+"""Training metrics' names (the catalog dashboards are checked against) and device peaks for MFU.
 
-__all__ = [
-    "BACKENDS",
-    "BY_NAME",
-    "CATALOG",
-    "MetricSpec",
-    "MetricsError",
-    "MetricsExporter",
-    "WorkerTimes",
-    "build_exporter",
-    "detect_device_name",
-    "peak_flops_per_device",
-    "spec",
-    "stage_times",
-]
+The exporter that serves them is Ray-side: `raypar.driver.exporter`.
+"""
+from raypar.metrics.catalog import BY_NAME, CATALOG, MetricSpec, spec
+from raypar.metrics.peak import PEAK_FLOPS, detect_device_name, peak_flops_per_device
+
+__all__ = ["BY_NAME", "CATALOG", "PEAK_FLOPS", "MetricSpec", "detect_device_name", "peak_flops_per_device", "spec"]

@@ -1,20 +1,17 @@
 """The model: a Llama-style transformer that builds whole or as pipeline stages."""
 from __future__ import annotations
 
+from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.partition import PartitionError, build_stage, split_layers, stage_param_names, stage_param_shapes
 from raypar.model.transformer import (
     Attention,
     Block,
-    FeedForward,
-    RMSNorm,
     Transformer,
-    apply_rope,
     build_mlp,
     flops_per_token,
     init_weights,
     num_params,
     param_dtype,
-    rope_tables,
 )
 
 __all__ = [

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from raypar import host_wait
 from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
+from raypar.model.layers import FeedForward
 
 
 class MoEStats:
@@ -131,8 +132,6 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        from raypar.model.transformer import FeedForward  # the expert is the dense MLP
-
         self.n_experts = cfg.n_experts
         self.top_k = cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
@@ -143,6 +142,7 @@ class MoE(nn.Module):
         first = ep_rank * self.local
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False, dtype=dtype)
         hidden = cfg.moe_ffn_dim or cfg.hidden_dim
+        # Each expert is the dense MLP, so its parameters are named like one (w1, w2, w3).
         self.experts = nn.ModuleDict({str(j): FeedForward(cfg.dim, hidden, dtype=dtype)
                                       for j in range(first, first + self.local)})
         self.ep_group = None  # set by the runtime when ep_size > 1

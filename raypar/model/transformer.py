@@ -17,11 +17,11 @@ from torch.utils.checkpoint import checkpoint
 
 from raypar.config import ModelConfig
 from raypar.kernels import dropout_add, site_salt
+from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
+from raypar.model.moe import MoE
 
 __all__ = [
-    "RMSNorm",
     "Attention",
-    "FeedForward",
     "Block",
     "Transformer",
     "build_mlp",
@@ -29,8 +29,6 @@ __all__ = [
     "flops_per_token",
     "num_params",
     "param_dtype",
-    "rope_tables",
-    "apply_rope",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -42,42 +40,6 @@ def param_dtype(cfg: ModelConfig) -> torch.dtype:
         return _DTYPES[cfg.dtype]
     except KeyError:
         raise ValueError(f"model.dtype={cfg.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}") from None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalises in fp32 for bf16 inputs (too little mantissa for a stable mean of
-        # squares) and multiplies by the weight before casting back; one fused kernel on GPU.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-# ---------------------------------------------------------------------------------------
-# Rotary position embedding (Hugging Face / Llama "rotate_half" convention)
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """cos and signed sin tables of shape [max_seq_len, head_dim], in fp32.
-
-    rotate_half pairs element i with i + hd/2 and negates the second half's partner; the
-    sign is folded into the sin table (its first half is -sin), so `apply_rope` rotates
-    with one roll instead of a split, a negation and a concatenation, with the same values.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
-    pos = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
-    freqs = torch.outer(pos, inv_freq)
-    sin = freqs.sin()
-    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [b, heads, t, head_dim] by `rope_tables`' cos / signed sin [t, head_dim]
-    (in x's dtype: `Transformer` casts them once, not per layer)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,19 +74,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False, dtype=dtype)  # down
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
     """The MLP of layer `layer_id`.
 
@@ -134,8 +83,6 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
     [b, t, dim] -> [b, t, dim]; any auxiliary loss needs its own channel out of the block.
     """
     if cfg.is_moe_layer(layer_id):
-        from raypar.model.moe import MoE
-
         return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
     return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
 

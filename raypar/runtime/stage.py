@@ -26,103 +26,11 @@ from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, exchange
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
+from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.snapshot import StateSnapshot
 from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors, takes_snapshots
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
-
-COMPUTE_OPS = (Op.F, Op.B)
-
-
-@dataclass
-class StepReport:
-    rank: int
-    stage: int
-    step: int
-    losses: list[float]  # per micro-batch, last stage only
-    # Start and end (wall-clock seconds) of each unit of the program (`comm_groups`), in order,
-    # flat: [start0, end0, start1, end1, ...]. The driver knows the program and labels them.
-    # On GPU the report is made once the device has passed what it reads: units it has not
-    # finished yet (`pending_units`, the last ones) come in the next report's `late_times`,
-    # or, for a report that is not `complete`, in its `ReportTail`.
-    times: list[float]
-    compute_s: float  # time in F and B
-    start: float  # program start (wall clock)
-    end_of_backward: float  # end of the last B (wall clock)
-    wall_s: float  # whole run_step (on GPU its optimizer issued, not necessarily finished)
-    called: float  # wall clock when the worker began this step (before its batch was loaded)
-    reported: float  # wall clock when this report was made (the device past the step's last read)
-    peak_activation_bytes: int
-    peak_device_bytes: int
-    peak_live_microbatches: int  # micro-batches whose forward ran and whose backward has not
-    released_outputs: int
-    expert_tokens: dict[str, list[int]]  # per MoE layer: this rank's token assignments per expert
-    tokens_dropped: int  # assignments over capacity, summed over MoE layers
-    alltoall_bytes: int  # sent to other ranks of the ep group, forward and backward
-    alltoall_s: float  # host time in all-to-all exchanges
-    grad_norm: float | None  # first stage only: one norm over the whole model, which that stage is last to finish
-    lr: float
-    checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
-    # False: a first stage reported without waiting for its device (`StageRuntime.finish_report`
-    # brings the rest); until `complete_report`, it lacks its pending units, end_of_backward
-    # and every value read from the device.
-    complete: bool = True
-    pending_units: int = 0  # units at the program's end whose times this report lacks
-    late_step: int | None = None  # the step `late_times` belong to (the last one this worker ran)
-    late_times: list[float] = field(default_factory=list)  # that step's pending units, as `times`
-    issued: list[float] = field(default_factory=list)  # wall clock when the host began issuing each unit
-    grads: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    # (label, start, end) per unit: filled in on the driver from `times` (see `label_events`)
-    events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
-    late_events: list[tuple[str, float, float]] | None = field(default=None, repr=False)
-
-
-@dataclass
-class ReportTail:
-    """What a report that is not `complete` lacked, once the device has passed its step."""
-    step: int
-    times: list[float]  # the report's pending units, as `StepReport.times`
-    compute_s: float  # in those units
-    end_of_backward: float | None
-    losses: list[float]
-    grad_norm: float | None
-    expert_tokens: dict[str, list[int]]
-    tokens_dropped: int
-
-
-def complete_report(report: StepReport, tail: ReportTail) -> StepReport:
-    """`report` with what its tail brings: the same report the stage makes when it waits."""
-    if tail.step != report.step:
-        raise ValueError(f"rank {report.rank}: the tail of step {tail.step} cannot complete step {report.step}'s report")
-    report.times = report.times + tail.times
-    report.start = report.times[0] if report.times else report.start
-    report.compute_s += tail.compute_s
-    if tail.end_of_backward is not None:
-        report.end_of_backward = tail.end_of_backward
-    report.losses, report.grad_norm = tail.losses, tail.grad_norm
-    report.expert_tokens, report.tokens_dropped = tail.expert_tokens, tail.tokens_dropped
-    report.pending_units, report.complete = 0, True
-    return report
-
-
-def unit_labels(program: list[Action]) -> list[str]:
-    """The label of each unit of `program`: its actions, joined by spaces (as in events.jsonl)."""
-    return [" ".join(str(a) for a in unit) for unit in comm_groups(program)]
-
-
-def label_events(report: StepReport, labels: list[str]) -> StepReport:
-    """Give `report` its (label, start, end) events from its times and its program's labels,
-    and the late events of the step before (that step's last units)."""
-    t = report.times
-    report.events = list(zip(labels, t[0::2], t[1::2]))
-    report.late_events = tail_events(labels, report.late_times)
-    return report
-
-
-def tail_events(labels: list[str], times: list[float]) -> list[tuple[str, float, float]]:
-    """(label, start, end) of a program's last units, from their flat times."""
-    return list(zip(labels[len(labels) - len(times) // 2:], times[0::2], times[1::2]))
-
 
 @dataclass
 class _StepState:
@@ -150,9 +58,9 @@ class _StepState:
 
 @dataclass
 class _Unfinished:
-    """A step reported before its device finished it: what `finish_report` waits for."""
+    """A step reported before its device finished it: what `report_tail` waits for."""
     marks: list[tuple[object, object]]  # its units the device had not passed
-    compute: list[bool]  # which of them are forwards or backwards
+    units: list[Unit]  # those units
     anchor: object  # the clock's anchor when it reported: one step's times come from one anchor
     readback: "ReadBack"
     last_backward: object | None
@@ -177,11 +85,6 @@ class ReadBack:
                 float(self._norm) if self._norm is not None else None,
                 {layer: t.tolist() for layer, t in self._routed.items()},
                 sum(int(t) for t in self._dropped))
-
-
-def _compute_seconds(times: list[float], is_compute: list[bool]) -> float:
-    """Seconds in forwards and backwards, from flat (start, end) unit times and which units compute."""
-    return sum(end - start for start, end, c in zip(times[0::2], times[1::2], is_compute) if c)
 
 
 def _releasable(t: torch.Tensor) -> bool:
@@ -237,8 +140,8 @@ class StageRuntime:
         self._mb = -1
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
-        self._pending: tuple[int, list[tuple[object, object]], object] | None = None
-        # Steps a first stage reported ahead of its device, until `finish_report` (another thread).
+        self._late: tuple[int, list[tuple[object, object]], object] | None = None
+        # Steps a first stage reported ahead of its device, until `report_tail` (another thread).
         self._unfinished: dict[int, _Unfinished] = {}
         self._step_end = None  # the end mark of the last step this stage issued
         self.set_program([])
@@ -253,9 +156,9 @@ class StageRuntime:
     def set_program(self, program: list[Action]) -> None:
         """The program every step runs until the next call (sent once per plan, not per step)."""
         self.program = list(program)
-        self._pending = None  # labelled by the old program's units
-        self._units = comm_groups(self.program)
-        self._compute_units = [unit[0].op in COMPUTE_OPS for unit in self._units]
+        self._late = None  # labelled by the old program's units
+        self._units = comm_groups(self.program)  # what runs
+        self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
         self._ahead: _StepState | None = None
         # Only a forward that talks to no peer may be issued ahead of its call: the first
@@ -264,7 +167,7 @@ class StageRuntime:
                             and bool(self._units) and self._units[0][0].op == Op.F)
         # The first stage of a pipeline ends the backward, so a report that waits for its device
         # leaves it only the optimizer's few milliseconds of queued work. It reports at once
-        # instead, and the driver fetches the rest (`finish_report`) while it issues the next step.
+        # instead, and the driver fetches the rest (`report_tail`) while it issues the next step.
         self._reports_ahead = self.cfg.runtime.forward_ahead and self.is_first and not self.is_last
         self._unfinished.clear()
 
@@ -272,7 +175,7 @@ class StageRuntime:
                  next_sample_ids: list[int] | None = None) -> StepReport:
         """Issue one step's program and report it once the device has passed what the report
         reads and this stage's last backward. A first stage that runs ahead
-        (`runtime.forward_ahead`) reports at once instead (`finish_report` brings the rest)
+        (`runtime.forward_ahead`) reports at once instead (`report_tail` brings the rest)
         and, with `next_sample_ids` (the next step's batch), first issues the next step's
         first forward: that forward runs right after this step's optimizer, however late
         the next call comes."""
@@ -280,7 +183,7 @@ class StageRuntime:
         state = self._take_ahead(step, sample_ids) or self._begin(step, sample_ids)
         grad_norm, lr, grads = None, 0.0, None
         readback = None
-        previous, self._pending = self._pending, None
+        previous, self._late = self._late, None
         stall = 0.0
         where = f"stage {self.stage}: step {step}"
         for unit in self._units[len(state.marks):]:
@@ -328,16 +231,16 @@ class StageRuntime:
         # Incomplete only while the device is behind: on CPU the step ran as it was issued.
         unfinished = self._reports_ahead and not (n_done == len(marks) and self.clock.passed(readback.mark))
         if unfinished:
-            self._unfinished[step] = _Unfinished(marks[n_done:], self._compute_units[n_done:], self.clock.anchor,
+            self._unfinished[step] = _Unfinished(marks[n_done:], self._program_units[n_done:], self.clock.anchor,
                                                  readback, state.last_backward)
         elif n_done < len(marks):
-            self._pending = (step, marks[n_done:], self.clock.anchor)
+            self._late = (step, marks[n_done:], self.clock.anchor)
         times = self._seconds(marks[:n_done])
         late_step, late_times = None, []
         if previous is not None:
             late_step, late_marks, late_anchor = previous
             late_times = self._seconds(late_marks, late_anchor)
-        compute = _compute_seconds(times, self._compute_units[:n_done])
+        compute = compute_seconds(times, self._program_units[:n_done])
         if unfinished:
             loss_values, norm, expert_tokens, dropped = [], None, {}, 0
             end_of_backward = t_start  # until its tail comes
@@ -438,7 +341,7 @@ class StageRuntime:
         """Forget a step issued ahead: the weights or the program change before it runs."""
         self._ahead = None
 
-    def finish_report(self, step: int) -> ReportTail:
+    def report_tail(self, step: int) -> ReportTail:
         """Wait for the device to pass step `step`, reported ahead of it (`StepReport.complete`),
         and return what its report lacked. Runs beside the next step's `run_step`."""
         unfinished = self._unfinished.pop(step, None)
@@ -450,19 +353,19 @@ class StageRuntime:
         if unfinished.marks:
             self.clock.wait(unfinished.marks[-1][1], where)
         times = self._seconds(unfinished.marks, unfinished.anchor)
-        compute = _compute_seconds(times, unfinished.compute)
+        compute = compute_seconds(times, unfinished.units)
         last_backward = unfinished.last_backward
         losses, norm, expert_tokens, dropped = unfinished.readback.values()
         return ReportTail(step, times, compute,
                           self.clock.seconds(last_backward, unfinished.anchor) if last_backward is not None else None,
                           losses, norm, expert_tokens, dropped)
 
-    def finish_pending(self) -> tuple[int | None, list[float]]:
+    def late_units(self) -> tuple[int | None, list[float]]:
         """Wait for the units the last report did not have: (their step, their times), as a
         report's `late_step` and `late_times`; (None, []) when there are none."""
-        if self._pending is None:
+        if self._late is None:
             return None, []
-        (step, marks, anchor), self._pending = self._pending, None
+        (step, marks, anchor), self._late = self._late, None
         self.clock.wait(marks[-1][1], f"stage {self.stage}: step {step}'s last units")
         return step, self._seconds(marks, anchor)
 

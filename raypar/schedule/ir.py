@@ -30,6 +30,11 @@ class Op(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def is_compute(self) -> bool:
+        """A forward or a backward: the units a pipeline's bubble is measured against."""
+        return self in _COMPUTE_OPS
+
 
 _COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 _SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
@@ -76,7 +81,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.op in _COMPUTE_OPS
+        return self.op.is_compute
 
     @property
     def is_release(self) -> bool:

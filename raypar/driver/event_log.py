@@ -1,9 +1,12 @@
 """events.jsonl: each worker's measured unit spans per step, one line per (step, worker).
 
+Each span is written as [label, op, start, end] (`raypar.runtime.report.UnitSpan`): the
+unit's actions as text, the op of its first action (F, B, SEND_F, ...), wall-clock seconds.
+
 A GPU worker reports a step once the device has passed what the report reads and its
 last backward; the units still running then (the norm's all-reduce, the optimizer step)
 come with its next report as late events. (A first stage's report is completed before it
-gets here: `StageRuntime.finish_report`.) The log holds such a step's line until they
+gets here: `StageRuntime.report_tail`.) The log holds such a step's line until they
 arrive, so every line written is whole; `flush` writes what is held as it is (a run's
 last step, or steps before a failure).
 """
@@ -34,11 +37,11 @@ class EventLog:
             held = self._held.pop(r.rank, None)
             if held is not None:
                 if r.late_step == held["step"]:
-                    held["events"] += [list(e) for e in r.late_events]
+                    held["events"] += [list(s) for s in r.late_events]
                 self._write(held)
             c = grid.coord(r.rank)
             line = {"step": step, "rank": r.rank, "dp": c.dp, "pp": c.pp, "ep": c.ep,
-                    "events": [list(e) for e in r.events], "call": [r.called, r.reported], "issued": r.issued}
+                    "events": [list(s) for s in r.events], "call": [r.called, r.reported], "issued": r.issued}
             if r.pending_units:
                 self._held[r.rank] = line
             else:
@@ -49,7 +52,7 @@ class EventLog:
         held = self._held.pop(rank, None)
         if held is not None:
             if held["step"] == step:
-                held["events"] += [list(e) for e in late_events]
+                held["events"] += [list(s) for s in late_events]
             self._write(held)
 
     def flush(self) -> None:

@@ -4,11 +4,12 @@ Every hook runs in the driver, between steps; a slow hook slows training.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from raypar.saver import SaveResult
-    from raypar.trainer import StepRecord, Trainer
+    from raypar.driver.records import Recovery, RunSummary, StepRecord
+    from raypar.driver.saver import SaveResult
+    from raypar.driver.trainer import Trainer
 
 
 class Callback:
@@ -24,10 +25,10 @@ class Callback:
     def on_state_change(self, trainer: "Trainer", state: str) -> None:
         """The controller entered `state` (PLANNING, STARTING, RUNNING, RECOVERING, ...)."""
 
-    def on_recovery(self, trainer: "Trainer", event: dict[str, Any]) -> None:
+    def on_recovery(self, trainer: "Trainer", recovery: "Recovery") -> None:
         """The run recovered from a failure: what failed, the new grid, the times."""
 
-    def on_train_end(self, trainer: "Trainer", summary: Any) -> None:
+    def on_train_end(self, trainer: "Trainer", summary: "RunSummary") -> None:
         """The run finished; `summary` is the RunSummary."""
 
 

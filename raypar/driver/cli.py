@@ -10,8 +10,8 @@ USAGE_ERRORS = (ConfigError,)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from raypar.metrics import build_exporter
-    from raypar.trainer import Trainer
+    from raypar.driver.exporter import build_exporter
+    from raypar.driver.trainer import Trainer
 
     overrides = list(args.overrides)
     if args.resume:
@@ -70,7 +70,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from raypar.progress import format_status, read_status
+    from raypar.driver.progress import format_status, read_status
 
     try:
         print(format_status(read_status(args.run_dir)))

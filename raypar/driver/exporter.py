@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from raypar.callbacks import Callback
 from raypar.config import Config, ConfigError
-from raypar.metrics.catalog import CATALOG, MetricSpec, spec
-from raypar.stats import is_compute
+from raypar.driver.callbacks import Callback
+from raypar.driver.stats import WorkerTimes
+from raypar.metrics import CATALOG, MetricSpec, detect_device_name, peak_flops_per_device, spec
 
 if TYPE_CHECKING:
-    from raypar.runtime.stage import StepReport
-    from raypar.topology import Grid
-    from raypar.trainer import StepRecord
+    from raypar.driver.records import Recovery, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -37,88 +34,6 @@ BACKENDS = ("ray", "standalone", "off")
 
 class MetricsError(ConfigError):
     """The metrics exporter cannot start with this configuration (e.g. its port is taken)."""
-
-
-# ---------------------------------------------------------------------------------------
-# Peak FLOP/s, for MFU
-
-# Dense (no sparsity) peak FLOP/s per device by model dtype, from the vendors' datasheets.
-# "float32" is the plain FP32 rate: PyTorch does not use TF32 for fp32 matmuls by default.
-# Order matters: the first name fragment found in the device name wins.
-PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H200", {"bfloat16": 989e12, "float32": 67e12}),
-    ("H100 PCIe", {"bfloat16": 756e12, "float32": 51e12}),
-    ("H100 NVL", {"bfloat16": 835e12, "float32": 60e12}),
-    ("H100", {"bfloat16": 989e12, "float32": 67e12}),  # SXM
-    ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
-    ("L40S", {"bfloat16": 362e12, "float32": 91.6e12}),
-    ("L4", {"bfloat16": 121e12, "float32": 30.3e12}),
-)
-
-
-def peak_flops_per_device(device_name: str | None, dtype: str) -> float:
-    """Peak FLOP/s of one device for `dtype`, or 0.0 when unknown (CPUs, unlisted GPUs).
-
-    0 makes MFU read 0 ("unknown") rather than a number built on a guessed peak.
-    """
-    if not device_name:
-        return 0.0
-    for fragment, by_dtype in PEAK_FLOPS:
-        if fragment.lower() in device_name.lower():
-            return by_dtype.get(dtype, 0.0)
-    return 0.0
-
-
-def detect_device_name(cfg: Config) -> str | None:
-    """The CUDA device name as the driver sees it; None on CPU runs or a GPU-less driver."""
-    if cfg.runtime.device == "cpu":
-        return None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:  # a broken CUDA setup must not stop training; MFU just reads 0
-        log.debug("could not query the CUDA device name", exc_info=True)
-    return None
-
-
-# ---------------------------------------------------------------------------------------
-# Per-worker times of one step
-
-
-@dataclass(frozen=True)
-class WorkerTimes:
-    """One stage worker's forward, backward and idle seconds in one step."""
-
-    stage: int
-    dp: int
-    ep: int
-    forward_s: float
-    backward_s: float
-    idle_s: float  # pipeline window (first action of the pipeline to its last backward) - F - B
-
-
-def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
-    """Forward/backward/idle per worker from the step's reports.
-
-    Idle uses the same window as `raypar.stats.measured_bubble`, so a pipeline's idle seconds
-    over (stages x window) is its measured bubble.
-    """
-    coords = {r.rank: grid.coord(r.rank) for r in reports}
-    windows: dict[tuple[int, int], tuple[float, float]] = {}
-    for r in reports:
-        key = (coords[r.rank].dp, coords[r.rank].ep)
-        lo, hi = windows.get(key, (r.start, r.end_of_backward))
-        windows[key] = (min(lo, r.start), max(hi, r.end_of_backward))
-    out = []
-    for r in sorted(reports, key=lambda r: r.rank):
-        c = coords[r.rank]
-        lo, hi = windows[(c.dp, c.ep)]
-        fwd = sum(e - b for label, b, e in r.events if is_compute(label, "F"))
-        bwd = sum(e - b for label, b, e in r.events if is_compute(label, "B"))
-        out.append(WorkerTimes(c.pp, c.dp, c.ep, fwd, bwd, max(0.0, (hi - lo) - fwd - bwd)))
-    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,7 +282,7 @@ class MetricsExporter(Callback):
                            stall_s: float | None = None, error: str | None = None) -> None:
         """A finished save: its size, start-to-commit time, the writers' time and the loop's stall.
 
-        Throughput is bytes over write_s (the writers' time, as raypar.saver reports it),
+        Throughput is bytes over write_s (the writers' time, as the driver's Saver reports it),
         else over duration_s.
         """
         if not self.enabled:
@@ -386,7 +301,7 @@ class MetricsExporter(Callback):
             b.set("raypar_checkpoint_stall_seconds", stall_s, run)
 
     def observe_save(self, result: Any) -> None:
-        """A `raypar.saver.SaveResult` (bytes, write_s, duration_s, error)."""
+        """A `raypar.driver.saver.SaveResult` (bytes, write_s, duration_s, error)."""
         self.observe_checkpoint(result.bytes, result.duration_s, write_s=result.write_s, error=result.error)
 
     def _count_skipped_saves(self, trainer: Any) -> None:
@@ -422,7 +337,7 @@ class MetricsExporter(Callback):
         self._backend.set("raypar_controller_state", 1, {**run, "state": state})
         self._state = state
 
-    # -- Trainer callback hooks (raypar.callbacks.Callback) ------------------------------
+    # -- Trainer callback hooks (raypar.driver.callbacks.Callback) -----------------------
 
     def on_step_end(self, trainer: Any, record: StepRecord) -> None:
         self(record)
@@ -432,13 +347,12 @@ class MetricsExporter(Callback):
         self.observe_save(result)
 
     def on_state_change(self, trainer: Any, state: str) -> None:
-        from raypar.elastic import State
+        from raypar.driver.states import State
 
         self.set_controller_state(state, [s.value for s in State])
 
-    def on_recovery(self, trainer: Any, event: Mapping[str, Any]) -> None:
-        """event: "detection_s" (failure to noticing it) and "recovery_s" (to steps running again)."""
-        self.observe_restart(event.get("detection_s"), event.get("recovery_s"))
+    def on_recovery(self, trainer: Any, recovery: Recovery) -> None:
+        self.observe_restart(recovery.detection_s, recovery.recovery_s)
 
     def on_train_end(self, trainer: Any, summary: Any) -> None:
         self._count_skipped_saves(trainer)

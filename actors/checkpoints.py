@@ -1,0 +1,118 @@
+"""A worker group's checkpoint work: its nodes' writers, snapshots, saves, the EMA, loads.
+
+Nothing here decides when: the driver's `Saver` asks. Nothing here waits on the step loop
+either: workers export their snapshots on an I/O thread while they train on, writers write
+as snapshots arrive, and a save's commit runs once every shard is written.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from .placement import kill
+
+if TYPE_CHECKING:
+    from .worker_group import WorkerGroup
+
+
+class WorkerCheckpoints:
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+        self.writers: dict = {}  # node id -> CheckpointWriter, started on first use
+        self._exports: list = []  # the last snapshot's export refs, still leaving the workers
+
+    def _started_writers(self, root: str) -> dict:
+        """One checkpoint writer per node that holds workers, pinned to that node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .checkpoint_writer import CheckpointWriter
+
+        cfg = self.group.cfg.checkpoint
+        for node in dict.fromkeys(i["node_id"] for i in self.group.info):
+            if node not in self.writers:
+                self.writers[node] = CheckpointWriter.options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote(root, cfg.keep_last, cfg.ema_decay)
+        return self.writers
+
+    def start_writers(self, root: str, timeout: float) -> None:
+        """Start the writers (an actor start inside the step loop would stall it) and remove
+        the partial directories of saves that never committed."""
+        ray.get([w.cleanup.remote() for w in self._started_writers(root).values()], timeout=timeout)
+
+    def clean_before(self, root: str, keep: str) -> None:
+        """Remove partial directories of failed saves, except `keep` (about to be written)."""
+        self._started_writers(root)[self.group.info[0]["node_id"]].cleanup.remote([keep])
+
+    def reset_writers(self) -> None:
+        """Drop the writers (after one died); the next save starts fresh ones."""
+        for w in self.writers.values():
+            kill(w)
+        self.writers = {}
+
+    def keep_writers_on(self, nodes: set[str]) -> None:
+        """Keep the writers of `nodes` (those that still hold workers); drop the others."""
+        for node in [n for n in self.writers if n not in nodes]:
+            kill(self.writers.pop(node))
+
+    # -- snapshots and saves ----------------------------------------------------------------------
+
+    def snapshot(self, step: int, options: dict) -> None:
+        """Start a snapshot of the state as it is now (between steps)."""
+        g = self.group
+        ray.get([w.start_snapshot.remote(step, options) for w in g.workers], timeout=g.cfg.checkpoint.timeout_s)
+
+    def save(self, root: str, step: int, meta: dict, update_ema: bool = False):
+        """Hand each worker's last snapshot to its node's writer; returns the commit's ObjectRef."""
+        g = self.group
+        writers = self._started_writers(root)
+        self._exports = [w.export_snapshot.remote() for w in g.workers]
+        written = [writers[info["node_id"]].write.remote(step, rank, export, update_ema)
+                   for rank, (export, info) in enumerate(zip(self._exports, g.info))]
+        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *written)
+
+    def update_ema(self, root: str) -> None:
+        """Fold the snapshot just taken into the writers' EMA (no waiting)."""
+        g = self.group
+        writers = self._started_writers(root)
+        self._exports = [w.export_snapshot.remote() for w in g.workers]
+        for export, info in zip(self._exports, g.info):
+            writers[info["node_id"]].update_ema.remote(export)
+
+    def wait_exports(self, timeout: float) -> float:
+        """Block until the last snapshot left every worker (its host buffers get reused next);
+        returns the seconds waited."""
+        t0 = time.perf_counter()
+        exports, self._exports = self._exports, []
+        if exports:
+            ray.wait(exports, num_returns=len(exports), timeout=timeout)
+        return time.perf_counter() - t0
+
+    def forget_exports(self) -> None:
+        """The workers that exported are gone or reset: nothing is left to wait for."""
+        self._exports = []
+
+    # -- loads -----------------------------------------------------------------------------------
+
+    def load(self, path: str, same_grid: bool) -> list[dict]:
+        """Every worker reads its share of checkpoint `path`; per worker: rank and bytes read."""
+        g = self.group
+        return ray.get([w.load_checkpoint.remote(path, same_grid) for w in g.workers],
+                       timeout=g.cfg.checkpoint.timeout_s)
+
+    def load_ema(self, root: str, path: str) -> None:
+        """Give each node's writer the EMA its workers' weights had in checkpoint `path`."""
+        g = self.group
+        writers = self._started_writers(root)
+        names = ray.get([w.owned_weight_names.remote() for w in g.workers])
+        by_node: dict[str, list[str]] = {}
+        for owned, info in zip(names, g.info):
+            by_node.setdefault(info["node_id"], []).extend(owned)
+        ray.get([writers[node].load_ema.remote(path, owned) for node, owned in by_node.items()],
+                timeout=g.cfg.checkpoint.timeout_s)
+
+    def shutdown(self) -> None:
+        self.reset_writers()
+        self._exports = []

@@ -1,0 +1,102 @@
+"""Where stage workers run: placement groups of worker bundles, and starting a worker in one."""
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypar.config import Config
+from raypar.resources import ResourceError, WorkerResources
+from raypar.topology import Grid
+
+from .stage_worker import StageWorker
+
+# NVLink multicast (NVLS) hangs on the GPU machines this runs on; keep it off in workers.
+# CUDA_MODULE_LOADING=EAGER: with lazy loading, the first launch of a kernel waits for the
+# GPU's queue to drain while holding the context lock; a p2p kernel in that queue waiting
+# on the peer then never finishes, because NCCL's proxy thread needs the same lock. That
+# hung forward-then-backward at its first backward (the first new kernels launched while
+# receives were pending).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2: on an NCCL error or timeout, abort the communicator
+# but keep the process. torch's default (3) ends the process, which turns every worker that
+# shared a collective with a lost one into a lost one too, so none survive to be kept.
+# Steps that ran into such an abort fail at their next collective; a snapshot is taken
+# only after a check over the world (`StageRuntime.start_snapshot`).
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+# A slot is one bundle of a placement group: (placement group, bundle index).
+Slot = tuple
+
+
+class Placement:
+    """The placement groups a worker group reserved, and the workers it starts in their bundles."""
+
+    def __init__(self, resources: WorkerResources, timeout_s: float):
+        self.resources = resources
+        self.timeout_s = timeout_s
+        self._pgs: list = []
+
+    def reserve(self, n: int) -> list[Slot]:
+        """n worker bundles packed together, or ResourceError within the timeout."""
+        bundle = self.resources.bundle()
+        pg = placement_group([bundle] * n, strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=self.timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise ResourceError(
+                f"could not place {n} stage workers with {bundle} each within "
+                f"runtime.placement_timeout_s={self.timeout_s:g}s; the cluster is busy or its free resources are "
+                f"split across nodes (ray status shows them)"
+            )
+        self._pgs.append(pg)
+        return [(pg, i) for i in range(n)]
+
+    def reserve_later(self, n: int) -> list[Slot]:
+        """n bundles that nothing waits for: a cluster without room only runs without them
+        (the pending group stays visible to the autoscaler)."""
+        pg = placement_group([self.resources.bundle()] * n, strategy="PACK")
+        self._pgs.append(pg)
+        return [(pg, i) for i in range(n)]
+
+    def start_worker(self, slot: Slot, cfg: Config, grid: Grid, rank: int, data_path: str):
+        pg, bundle = slot
+        env = {"env_vars": GPU_ENV} if self.resources.device == "cuda" else None
+        return StageWorker.options(
+            num_cpus=self.resources.cpus,
+            num_gpus=self.resources.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            runtime_env=env,
+            name=None,
+        ).remote(cfg.to_dict(), grid, rank, self.resources.device, data_path)
+
+    def release(self) -> None:
+        """Remove every placement group, waiting (briefly) until Ray sees them gone."""
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        # Removal is asynchronous; a re-plan right after must see the resources as free.
+        deadline = time.monotonic() + 10.0
+        for pg in self._pgs:
+            while time.monotonic() < deadline:
+                if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                    break
+                time.sleep(0.05)
+        self._pgs = []
+
+
+def bundle_node(slot: Slot) -> str | None:
+    """The node a bundle is placed on, or None when Ray does not know (not placed, or lost)."""
+    pg, bundle = slot
+    try:
+        return ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(bundle)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

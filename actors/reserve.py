@@ -1,0 +1,192 @@
+"""What a worker group keeps between grids: survivors of a failure, free bundles, standbys.
+
+After a failure, `salvage` keeps the workers that still answer and `fill` hands the next
+grid those workers plus replacements (standbys first, then free bundles on live nodes, then
+a new placement group), instead of starting every worker again.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import ray
+
+from .placement import Slot, bundle_node, kill
+
+if TYPE_CHECKING:
+    from .worker_group import WorkerGroup
+
+# How long a salvage waits for the standbys to answer (they were asked with the survivors).
+_STANDBY_PING_S = 1.0
+
+
+class WorkerReserve:
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+        # After `salvage`: workers kept for the next grid, as (old rank, worker, slot, node id),
+        # and slots whose worker is gone, as (slot, node id or None when unknown).
+        self.survivors: list[tuple] = []
+        self.idle: list[tuple[Slot, str | None]] = []
+        # Started, idle workers that replace lost ones (elastic.standby_workers), as (worker, slot);
+        # those that answered at the last salvage are the ones a recovery may use.
+        self.standbys: list[tuple] = []
+        self._standbys_ready: list[tuple] = []
+        self._salvages = 0  # numbers each salvage's abort and reset for the workers
+
+    # -- standbys --------------------------------------------------------------------------------
+
+    def start_standbys(self, n: int) -> None:
+        """Start `n` standby workers in a placement group of their own, without waiting for it:
+        the grid never waits for its standbys."""
+        if n > 0:
+            for slot in self.group.placement.reserve_later(n):
+                self._add_standby(slot)
+
+    def _add_standby(self, slot: Slot) -> None:
+        worker = self.group.start_worker(slot, rank=-1)
+        worker.warm.remote()  # its start-up work now, not when it is needed
+        self.standbys.append((worker, slot))
+
+    def refill_standbys(self) -> None:
+        """Replace the standbys a recovery used, on free bundles of live nodes (a lost worker's).
+        Called once the run is going again, so that their start does not slow the recovery."""
+        for _ in range(self.group.cfg.elastic.standby_workers - len(self.standbys)):
+            free = next((i for i, (_, node) in enumerate(self.idle) if node is not None), None)
+            if free is None:
+                return
+            slot, _ = self.idle.pop(free)
+            self._add_standby(slot)
+
+    # -- salvage ---------------------------------------------------------------------------------
+
+    def salvage(self, timeout: float) -> int:
+        """Keep the group's workers that still answer, kill the rest; returns how many stay.
+
+        Each worker first lets its failed step return (on GPU, `abort` breaks NCCL calls
+        stuck on the lost peer), then leaves its process groups and drops its stage
+        (`reset`). A worker that has not done so within `timeout` seconds is killed, like a
+        dead one. The kept workers wait for `fill`.
+        """
+        g = self.group
+        # The grid's workers, and any kept before that a failed start did not place yet.
+        candidates = [(rank, w, slot) for rank, (w, slot) in enumerate(zip(g.workers, g.slots))]
+        candidates += [(rank, w, slot) for rank, w, slot, _ in self.survivors]
+        self._salvages += 1
+        for _, w, _ in candidates:
+            # Also refuses the steps already queued behind the failed one.
+            w.abort.remote(self._salvages, dump_after_s=0.8 * timeout)
+        refs = [w.reset.remote(self._salvages) for _, w, _ in candidates]
+        pings = [w.address.remote() for w, _ in self.standbys]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        ready = set(ready)
+        # A live standby answers at once; one still waiting for room must not hold the recovery up.
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=_STANDBY_PING_S) if pings else ([], [])
+        self._sort_standbys(pings, set(answered))
+        survivors, idle = [], list(self.idle)
+        for (rank, w, slot), ref in zip(candidates, refs):
+            node = None
+            if ref in ready:
+                try:
+                    node = ray.get(ref)
+                except Exception:  # noqa: BLE001 - dead or broken: replaced below
+                    node = None
+            if node is not None:
+                survivors.append((rank, w, slot, node))
+            else:
+                kill(w)
+                idle.append((slot, None))
+        self.survivors = survivors
+        alive = self.survivor_nodes()
+        # A slot's bundle stays reserved after its worker died. Reuse it only where a survivor
+        # just proved the node alive: a lost node's bundles wait for Ray to place them again.
+        nodes = [bundle_node(slot) for slot, _ in idle]
+        self.idle = [(slot, node if node in alive else None) for (slot, _), node in zip(idle, nodes)]
+        return len(survivors)
+
+    def survivor_nodes(self) -> set[str]:
+        """The nodes the survivors run on: alive, as their answers just proved."""
+        return {node for *_, node in self.survivors}
+
+    def _sort_standbys(self, pings: list, answered: set) -> None:
+        """Standbys that answered may replace lost workers; dead ones are dropped; the rest
+        (not placed yet, or slow to start) stay standbys for a later recovery."""
+        ready, kept = [], []
+        for entry, ref in zip(self.standbys, pings):
+            if ref in answered:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - dead: its bundle waits for a proven node, like a lost worker's
+                    kill(entry[0])
+                    self.idle.append((entry[1], None))
+                    continue
+                ready.append(entry)
+            kept.append(entry)
+        self.standbys, self._standbys_ready = kept, ready
+
+    # -- the next grid ---------------------------------------------------------------------------
+
+    def usable_slots(self) -> int:
+        """Workers the next grid can have without new resources: survivors, standbys that answered
+        and free bundles on live nodes."""
+        return len(self.survivors) + len(self._standbys_ready) + sum(1 for _, node in self.idle if node is not None)
+
+    def free_slots_on_live_nodes(self) -> int:
+        """Bundles held without a worker, placed on nodes Ray reports alive."""
+        if not self.idle:
+            return 0
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return sum(1 for slot, _ in self.idle if bundle_node(slot) in alive)
+
+    def fill(self, n: int) -> dict[str, int]:
+        """Give the group `n` workers by rank: survivors keep their rank where it exists and fill
+        the gaps otherwise; the rest come from the standbys, free bundles on live nodes, then a
+        new placement group. Sets the group's workers and slots, also when it fails part way (so
+        that a salvage or shutdown finds what it started). Returns how many were kept, started and
+        taken from the standbys."""
+        g = self.group
+        survivors = sorted(self.survivors, key=lambda s: s[0])
+        self.survivors = []
+        for _, w, slot, node in survivors[n:]:  # the grid shrank below what survived
+            kill(w)
+            self.idle.append((slot, node))
+        survivors = survivors[:n]
+        workers: list = [None] * n
+        slots: list = [None] * n
+        moved = []
+        for old, w, slot, _ in survivors:
+            if old < n and workers[old] is None:
+                workers[old], slots[old] = w, slot
+            else:
+                moved.append((w, slot))
+        free = [r for r in range(n) if workers[r] is None]
+        for (w, slot), r in zip(moved, free):
+            workers[r], slots[r] = w, slot
+        missing = [r for r in range(n) if workers[r] is None]
+        from_standby = self._standbys_ready[:len(missing)]
+        for r, (w, slot) in zip(missing, from_standby):
+            workers[r], slots[r] = w, slot
+        missing = missing[len(from_standby):]
+        self.standbys = [s for s in self.standbys if not any(s is used for used in from_standby)]
+        self._standbys_ready = []
+        trusted = [i for i, (_, node) in enumerate(self.idle) if node is not None][:len(missing)]
+        usable = [self.idle[i][0] for i in trusted]
+        self.idle = [x for i, x in enumerate(self.idle) if i not in trusted]
+        try:
+            if len(missing) > len(usable):
+                usable += g.placement.reserve(len(missing) - len(usable))
+            for r, slot in zip(missing, usable):
+                slots[r] = slot
+                workers[r] = g.start_worker(slot, r)
+        finally:
+            held = [r for r in range(n) if workers[r] is not None]
+            g.workers, g.slots = [workers[r] for r in held], [slots[r] for r in held]
+            self.idle += [(slot, None) for slot in usable if slot not in g.slots]
+        return {"kept": len(survivors), "started": len(missing), "standby": len(from_standby)}
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def actors(self) -> list:
+        """Every worker the reserve holds: survivors and standbys."""
+        return [*(s[1] for s in self.survivors), *(s[0] for s in self.standbys)]
+
+    def clear(self) -> None:
+        self.survivors, self.standbys, self._standbys_ready = [], [], []

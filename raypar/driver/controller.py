@@ -1,0 +1,478 @@
+"""The controller: the run's state machine, owner of the worker group and the saver.
+
+As in Ray Train v2, the controller runs in the driver and moves between explicit states
+(`raypar.driver.states`): PLANNING picks a grid for what the cluster has, STARTING places
+the workers and loads a checkpoint, RUNNING steps. A lost worker or node, or a hung
+collective, moves to RECOVERING (with `elastic.enabled`): the run is planned again and
+reloads its last committed checkpoint. GROWING restarts on a larger grid at a checkpoint
+when resources have come back. The decisions come from `raypar.driver.policies`; the
+controller gathers what they need and acts on their answers.
+
+The driver makes one Ray call per worker per step (DESIGN.md: an awaited actor call costs
+~1 ms, so per-micro-batch calls would dominate small steps); tensors never pass through it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Callable
+
+import ray
+
+from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
+from raypar.config import Config
+from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
+from raypar.driver.callbacks import Callback
+from raypar.driver.event_log import EventLog
+from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, plan_grid, with_plan, worker_slots
+from raypar.driver.progress import Progress, write_status
+from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
+from raypar.driver.saver import Resumed, Saver
+from raypar.driver.states import State, StateMachine
+from raypar.resources import ResourceError, plan_resources
+from raypar.schedule import build_programs, prepare
+from raypar.topology import Grid
+
+# A lost worker or node, or a collective that hung: what the controller recovers from.
+WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
+                   StepTimeout)
+
+# status.json is rewritten at most this often while steps run (and when the run ends).
+STATUS_EVERY_S = 1.0
+
+
+@dataclass
+class InFlightStep:
+    """A step sent to the workers whose reports the driver has not read yet."""
+
+    step: int
+    consumed: int  # samples consumed before it
+    issued_at: float  # time.perf_counter() when it was sent
+    refs: list  # one ObjectRef per worker, by rank
+    save: bool  # its snapshot becomes a checkpoint
+    ema: bool  # its snapshot updates the EMA
+    stall: float  # seconds the loop waited on checkpointing before sending it
+
+
+class Controller:
+    """Drives one run from PLANNING to FINISHED (or FAILED). `owner` is what callbacks get."""
+
+    def __init__(self, cfg: Config, callbacks: list[Callback], progress: Progress, log: Callable[[str], None],
+                 owner: object):
+        self.base_cfg = cfg  # the configured run; elastic re-plans derive from it
+        self.cfg = cfg  # the plan running now
+        self.grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
+        self.callbacks = callbacks
+        self.progress = progress
+        self.log = log
+        self.owner = owner
+        self.run_dir = Path(cfg.runtime.run_dir).resolve()
+        self.saver = Saver(cfg, self.run_dir, log, on_result=lambda r: self._notify("on_checkpoint", r))
+        self.failures = FailurePolicy(cfg.elastic)
+        self.states = StateMachine(on_change=self._state_changed)
+        self.group: WorkerGroup | None = None
+        self.device: str | None = None  # "cpu" or "cuda" once the workers are placed
+        self.resumed = Resumed(0, 0, None, [])
+        self.restarts = 0
+        self.recoveries: list[Recovery] = []
+        self._recovery: Recovery | None = None  # the recovery under way, until its first good step
+        self._next_plan: Plan | None = None
+        self._max_step_done = 0
+        self._step_started: float | None = None  # when the step being waited for could start (perf_counter)
+        self._last_step_done = 0.0  # perf_counter when the last step's reports came back
+        self._stop = False
+        self._stop_save = False
+        self._status_written = 0.0  # monotonic time of the last status.json
+        self._timeline_due = False  # runtime.timeline_step has run; drawn once its events are written
+        self._kernels_said = False
+        self._set_programs()
+
+    def stop(self, save: bool) -> None:
+        self._stop = True
+        self._stop_save = save
+
+    def _notify(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self.owner, *args)
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def fit(self) -> RunSummary:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dataset = open_dataset(self.cfg, self.run_dir)
+        order = SampleOrder(len(dataset), self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+        self._connect()
+        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        records, consumed = self.run(dataset, order)
+        summary = summarise(
+            records, grid=self.grid, schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
+            device=self.device or "?", tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
+            consumed=consumed, start_step=self.resumed.step,
+            checkpoints=[{**asdict(c), "write_bytes_per_s": c.write_bytes_per_s} for c in self.saver.results],
+            checkpoints_skipped=self.saver.skipped, restarts=self.restarts, recoveries=self.recoveries,
+            controller_states=[state.value for _, state, _ in self.states.history])
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+        self._notify("on_train_end", summary)
+        return summary
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return
+        import os
+
+        address = self.cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            # "local": a new cluster even if `ray start` left one registered on this machine.
+            ray.init(address="local", num_cpus=self.cfg.runtime.num_cpus, include_dashboard=False)
+
+    def run(self, dataset: TokenDataset, order: SampleOrder) -> tuple[list[StepRecord], int]:
+        """Every state from PLANNING to FINISHED: the records of the steps run, and the samples consumed.
+
+        Raises (after moving to FAILED) what it does not recover from.
+        """
+        records: list[StepRecord] = []
+        consumed = 0
+        resume = self.cfg.checkpoint.resume
+        mode = "a" if resume else "w"
+        try:
+            with open(self.run_dir / "metrics.jsonl", mode) as metrics, \
+                    EventLog(open(self.run_dir / "events.jsonl", mode)) as events:
+                while True:
+                    try:
+                        t0 = time.time()
+                        self._start(dataset, resume)  # a worker lost while starting is a failure like any other
+                        t1 = time.time()
+                        self.saver.start(self.group.checkpoints)
+                        self.resumed = self.saver.resume(resume, self._recovery is not None, self.cfg, self.grid)
+                        self.states.to(State.RUNNING)
+                        if self._recovery is not None:
+                            self._recovery.resumed(str(self.grid), self.resumed.step, workers_s=t1 - t0,
+                                                   setup_s=self._setup_phases(), load_s=time.time() - t1,
+                                                   now=time.time())
+                        self._notify("on_train_start")
+                        consumed, grow_to = self._steps(self.resumed.step, self.resumed.consumed_samples, order,
+                                                        records, metrics, events)
+                    except WORKER_FAILURES as e:
+                        events.flush()  # the lost workers' last steps, without their late units
+                        self._recover(e)
+                        resume = "latest"
+                        continue
+                    if grow_to is None:
+                        break
+                    self.states.to(State.GROWING, f"resources for {grow_to}")
+                    self.saver.finish()
+                    self._shutdown()
+                    self._next_plan = grow_to
+                    self.states.to(State.PLANNING)
+                    resume = "latest"
+            self.states.to(State.FINISHED)
+            self._write_status(self._max_step_done, records[-1].loss if records else None)
+        except BaseException as e:
+            if self.states.state not in (State.FINISHED, State.FAILED):
+                self.states.to(State.FAILED, repr(e)[:200])
+                self._write_status(self._max_step_done)
+            raise
+        finally:
+            self._shutdown()
+        return records, consumed
+
+    def _steps(self, start: int, consumed: int, order: SampleOrder, records: list[StepRecord], metrics: IO[str],
+               events: EventLog) -> tuple[int, Plan | None]:
+        """Steps from `start` to the end (or a stop request, or a chance to grow): the samples
+        consumed, and the plan to grow to (None: the run is done).
+
+        Up to `runtime.steps_ahead` steps are sent before the reports of the one running come
+        back: workers run their calls in order, so they go from one step to the next without
+        waiting for the driver, which reads reports, writes metrics and starts saves meanwhile.
+        """
+        committed = len(self.saver.results)
+        inflight: deque[InFlightStep] = deque()
+        next_step, next_consumed = start, consumed
+        grow_to: Plan | None = None
+        while True:
+            while (grow_to is None and not self._stop and next_step < self.cfg.train.steps
+                   and len(inflight) <= self.cfg.runtime.steps_ahead and self._may_issue(next_step, inflight)):
+                inflight.append(self._issue(next_step, next_consumed, order))
+                next_step += 1
+                next_consumed += self.cfg.train.global_batch_size
+            if not inflight:
+                break
+            sent = inflight.popleft()
+            record = self._finish(sent, events)
+            consumed = record.consumed_samples
+            self._after_step(record, sent, records, metrics, events, overlapped=bool(inflight))
+            if len(self.saver.results) > committed:
+                committed = len(self.saver.results)
+                if grow_to is None and self.saver.results[-1].error is None and record.step + 1 < self.cfg.train.steps:
+                    grow_to = self._grow_plan()  # after the steps already sent, which run and count
+        for rank, step, late in self.group.late_units():
+            events.complete(rank, step, late)
+        events.flush()
+        if self._timeline_due:
+            self._draw_timeline(self.cfg.runtime.timeline_step, events)
+        last = records[-1] if records else None
+        if grow_to is None and self._stop and self._stop_save and last is not None \
+                and not self.saver.policy.save_due(last.step + 1):
+            # Stopped early on request: keep where it stopped.
+            if self.saver.ready_for()[0]:
+                self.saver.snapshot(last.step)
+                self.saver.begin(last.step + 1, consumed, self.cfg, self.grid)
+        if grow_to is None:
+            self.saver.finish()
+        return consumed, grow_to
+
+    def _may_issue(self, step: int, inflight: deque[InFlightStep]) -> bool:
+        """Whether `step` may be sent behind the steps in flight.
+
+        A step that snapshots is sent alone: it reuses host buffers that the last snapshot's
+        export must have left, and it may have to wait for the last save to commit. Waiting
+        with nothing in flight keeps that wait out of the other steps' times.
+        """
+        policy = self.saver.policy
+        return not inflight or not (policy.save_due(step + 1) or policy.ema_due(step + 1))
+
+    def _issue(self, step: int, consumed: int, order: SampleOrder) -> InFlightStep:
+        """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
+        policy, gbs = self.saver.policy, self.cfg.train.global_batch_size
+        save, ema, stall = policy.save_due(step + 1), policy.ema_due(step + 1), 0.0
+        if save:
+            save, stall = self.saver.ready_for()
+        snapshot = None
+        if save or ema:
+            # The last snapshot's buffers are reused: it must have left the workers.
+            stall += self.saver.wait_exports()
+            snapshot = policy.snapshot_options(save)
+
+        def ids_after(n: int) -> list[list[int]]:
+            batch = order.indices(n, gbs)
+            return [split_batch(batch, self.grid.data_parallel_size, self.grid.data_rank(c)) for c in self.grid.coords()]
+
+        # The workers hold the programs (set_programs at start and after a re-plan): a step
+        # sends only its number, the program version and the sample ids, with the next
+        # step's for a forward issued ahead.
+        following = ids_after(consumed + gbs) if step + 1 < self.cfg.train.steps else None
+        issued_at = time.perf_counter()
+        refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following)
+        return InFlightStep(step, consumed, issued_at, refs, save, ema, stall)
+
+    def _finish(self, sent: InFlightStep, events: EventLog) -> StepRecord:
+        """Wait for a sent step and make its record. Its time runs from when the workers could
+        start it (its issue, or the end of the step it was queued behind) to when its reports
+        are back; first stages' tails are fetched after that, while the workers run the next step."""
+        self._step_started = started = max(sent.issued_at, self._last_step_done)
+        reports = self.group.wait_reports(sent.step, sent.refs)
+        self._last_step_done = time.perf_counter()
+        reports = self.group.complete_reports(reports)
+        # Each action's measured span, per worker: enough to redraw the step's timeline.
+        events.add(sent.step, reports, self.grid)
+        gbs = self.cfg.train.global_batch_size
+        return step_record(sent.step, reports, self.grid, self._sim_programs, self._last_step_done - started,
+                           tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs)
+
+    def _after_step(self, record: StepRecord, sent: InFlightStep, records: list[StepRecord], metrics: IO[str],
+                    events: EventLog, overlapped: bool) -> None:
+        """Everything the driver does with a finished step.
+
+        `overlapped`: the next step is already running, so the time spent here holds no worker up.
+        """
+        step = record.step
+        t0 = time.perf_counter()
+        if sent.save:
+            self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid, update_ema=sent.ema)
+        elif sent.ema:
+            self.saver.update_ema()
+        else:
+            self.saver.poll()
+        record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
+        records.append(record)
+        self._max_step_done = max(self._max_step_done, step + 1)
+        if self._recovery is not None:
+            self._finish_recovery()
+        if step == self.cfg.runtime.timeline_step:
+            self._timeline_due = True  # drawn once its events are whole: after the next step's reports
+        elif self._timeline_due:
+            self._draw_timeline(self.cfg.runtime.timeline_step, events)
+        metrics.write(json.dumps(asdict(record)) + "\n")
+        metrics.flush()
+        self.progress.step(step, record.loss, record.tokens_per_s, record.step_time_s, record.lr, record.grad_norm)
+        if time.monotonic() - self._status_written >= STATUS_EVERY_S or step + 1 == self.cfg.train.steps:
+            self._write_status(step + 1, record.loss)
+        self._notify("on_step_end", record)
+
+    # -- planning and starting -------------------------------------------------------------
+
+    def _start(self, dataset: TokenDataset, resume: str | None) -> None:
+        """PLANNING -> STARTING: pick the grid, place and wire its workers. With a checkpoint to
+        `resume`, the stages are not initialised: the load fills them."""
+        if self.cfg.elastic.enabled:
+            plan, self._next_plan = self._next_plan, None
+            self._adopt(plan or self._plan_elastic())
+        resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
+        self.states.to(State.STARTING, str(self.grid))
+        self.device = resources.device
+        self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
+                 f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
+        init_weights = self.saver.checkpoint_path(resume, self._recovery is not None) is None
+        if self.group is not None:
+            # Workers kept after a failure (`_recover`): the new grid on them plus replacements.
+            counts = self.group.reconfigure(self.cfg, self.grid, init_weights)
+            if self._recovery is not None:
+                self._recovery.workers_placed(counts["kept"], counts["started"], counts["standby"])
+            self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}"
+                     + (f", took {counts['standby']} from the standbys" if counts["standby"] else ""))
+        else:
+            self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path), init_weights)
+        self._say_kernels(self.group.info)
+        self.group.set_programs(self.programs)
+
+    def _plan_elastic(self) -> Plan:
+        """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
+        e = self.cfg.elastic
+        deadline = time.monotonic() + e.resource_timeout_s
+        while True:
+            # Workers kept after a failure (and their free bundles) count beside free resources.
+            slots = self._slots(ray.available_resources()) + (self.group.reserve.usable_slots() if self.group else 0)
+            plan = plan_grid(self.base_cfg, slots, e.min_workers)
+            if plan is not None:
+                return plan
+            if time.monotonic() >= deadline:
+                raise ResourceError(
+                    f"no grid of at least elastic.min_workers={e.min_workers} workers fits: the cluster "
+                    f"has room for {slots} workers of {self.cfg.runtime.cpus_per_worker:g} CPUs"
+                    + (" and 1 GPU" if self._device() == "cuda" else "")
+                    + f" after waiting elastic.resource_timeout_s={e.resource_timeout_s:g}s"
+                )
+            time.sleep(1.0)
+
+    def _grow_plan(self) -> Plan | None:
+        if not (self.cfg.elastic.enabled and self.cfg.elastic.grow):
+            return None
+        # Bundles the group still holds (e.g. placed again on a returned node) count as free.
+        slots = (self._slots(ray.available_resources()) + self.grid.size
+                 + self.group.reserve.free_slots_on_live_nodes())
+        return grow_plan(self.base_cfg, self.grid, slots)
+
+    def _adopt(self, plan: Plan) -> None:
+        if plan.grid != self.grid or plan.microbatches != self.cfg.parallel.microbatches:
+            self.log(f"raypar: planned grid {plan}")
+        self.cfg = with_plan(self.base_cfg, plan)
+        self.grid = plan.grid
+        self._set_programs()
+
+    def _set_programs(self) -> None:
+        p = self.cfg.parallel
+        self.programs = build_programs(p.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release)
+        self._sim_programs = prepare(self.programs)  # checked once; each step only times them
+
+    def _slots(self, resources: dict[str, float]) -> int:
+        return worker_slots(resources, self.cfg.runtime.cpus_per_worker, self._device())
+
+    def _device(self) -> str:
+        """The device workers get: as placed, or as planning for this cluster would choose."""
+        if self.device is not None:
+            return self.device
+        if self.cfg.runtime.device != "auto":
+            return self.cfg.runtime.device
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+    def _say_kernels(self, info: list[dict]) -> None:
+        """Which CUDA kernels the workers run, once per run (CPU workers use the references)."""
+        status = next((i.get("kernels") for i in info if i.get("kernels")), None)
+        if status and not self._kernels_said:
+            self._kernels_said = True
+            self.log("raypar: kernels " + ", ".join(f"{k}: {v}" for k, v in status.items()))
+
+    def _setup_phases(self) -> dict[str, float]:
+        """Each setup phase's longest over the workers: what "workers up" was made of."""
+        setups = [i["setup_s"] for i in self.group.info if "setup_s" in i]
+        return {k: max(s[k] for s in setups) for k in setups[0]} if setups else {}
+
+    def _shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _recover(self, error: BaseException) -> None:
+        """Keep what survives a failure and go back to PLANNING; raises what the policy fails on."""
+        detected = time.time()
+        detection_s = time.perf_counter() - (self._step_started or time.perf_counter())
+        decision, why = self.failures.decide(self._is_worker_failure(error), self.restarts)
+        if decision is Decision.FAIL:
+            if self.cfg.elastic.enabled and self.restarts >= self.cfg.elastic.max_restarts:
+                self.log(f"raypar: {why}")
+            raise error
+        self.states.to(State.RECOVERING, repr(error)[:200])
+        self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
+                 f"recovering from the last committed checkpoint")
+        save_lost = self.saver.abandon()
+        kept = 0
+        if self.cfg.elastic.keep_survivors and self.group is not None:
+            try:
+                kept = self.group.salvage(self.cfg.elastic.survivor_timeout_s)
+            except Exception as e:  # noqa: BLE001 - fall back to starting every worker again
+                self.log(f"raypar: could not keep the surviving workers ({type(e).__name__}: {e}); restarting all")
+        if kept:
+            # A save in flight died with its workers: its writers go too; else keep the writers
+            # of nodes that still hold workers.
+            if save_lost:
+                self.group.checkpoints.reset_writers()
+            else:
+                self.group.checkpoints.keep_writers_on(self.group.reserve.survivor_nodes())
+        else:
+            self._shutdown()
+        self.restarts += 1
+        if self._recovery is not None:
+            # Failed again before the first good step: one recovery, timed from the first failure.
+            self._recovery.attempts += 1
+        else:
+            self._recovery = Recovery(restart=self.restarts, error=type(error).__name__, failed_grid=str(self.grid),
+                                      detection_s=detection_s, salvage_s=time.time() - detected,
+                                      steps_done=self._max_step_done, detected_at=detected)
+        self.states.to(State.PLANNING)
+
+    def _is_worker_failure(self, error: BaseException) -> bool:
+        if not isinstance(error, ray.exceptions.RayTaskError) or isinstance(error, ray.exceptions.RayActorError):
+            return True
+        if is_echo(error):
+            return True
+        return self.group is not None and not self.group.all_alive()
+
+    def _finish_recovery(self) -> None:
+        recovery, self._recovery = self._recovery, None
+        recovery.finished(time.time())
+        self.recoveries.append(recovery)
+        self.group.reserve.refill_standbys()
+        self.log(f"raypar: recovered on {recovery.grid} in {recovery.recovery_s:.1f}s "
+                 f"(detected after {recovery.detection_s:.1f}s, {recovery.steps_lost} steps redone)")
+        self._notify("on_recovery", recovery)
+
+    # -- what the run shows --------------------------------------------------------------------
+
+    def _state_changed(self, state: State, why: str) -> None:
+        with open(self.run_dir / "controller.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "state": state.value, "why": why}) + "\n")
+        self._notify("on_state_change", state.value)
+
+    def _draw_timeline(self, step: int, events: EventLog) -> None:
+        from raypar.timeline import draw_png, load_step, write_chrome_trace
+
+        self._timeline_due = False
+        events.out.flush()
+        spans = load_step(self.run_dir, step)
+        png = draw_png(spans, self.run_dir / f"timeline-step{step}.png", title=f"{self.grid}, step {step}")
+        write_chrome_trace(spans, self.run_dir / f"timeline-step{step}.json")
+        self.log(f"raypar: timeline of step {step} -> {png}")
+
+    def _write_status(self, step: int, loss: float | None = None) -> None:
+        self._status_written = time.monotonic()
+        write_status(self.run_dir, run_dir=str(self.run_dir), state=self.states.state.value, grid=str(self.grid),
+                     schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
+                     device=self.device, step=step, total_steps=self.cfg.train.steps,
+                     loss=loss, last_checkpoint=self.saver.last_committed(), restarts=self.restarts)

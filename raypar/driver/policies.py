@@ -1,0 +1,143 @@
+"""The controller's decisions, as small pure objects: what grid, recover or fail, when to save.
+
+Each takes plain values (a config, counts, a step number) and returns a decision, so it
+is tested without Ray; the controller gathers the values and acts on the answer.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from raypar.config import CheckpointConfig, Config, ConfigError, ElasticConfig, validate
+from raypar.topology import Grid
+
+# -- grid: what the cluster can hold ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    grid: Grid
+    microbatches: int
+
+    def __str__(self) -> str:
+        return f"{self.grid} with {self.microbatches} micro-batches"
+
+
+def _fits(cfg: Config, grid: Grid, microbatch_size: int) -> Plan | None:
+    m = cfg.model
+    if grid.pp > m.n_layers or (m.n_experts and m.n_experts % grid.ep) or (not m.n_experts and grid.ep > 1):
+        return None
+    if cfg.parallel.layers_per_stage is not None and grid.pp != cfg.parallel.pp:
+        return None  # an explicit split belongs to its pipeline depth
+    share, rest = divmod(cfg.train.global_batch_size, grid.data_parallel_size)
+    if rest or share == 0:
+        return None
+    microbatches = share // microbatch_size if share % microbatch_size == 0 else share
+    return Plan(grid, microbatches)
+
+
+def plan_grid(cfg: Config, workers: int, min_workers: int = 1) -> Plan | None:
+    """The grid for `workers` available worker slots, or None if nothing fits.
+
+    Shrinks dp first (same pp and ep); only when no dp fits does it re-split pp and ep,
+    preferring more workers, then the configured pipeline depth and expert split. The
+    global batch never changes: each replica gets a larger share, run as more micro-batches
+    of the same size.
+    """
+    p = cfg.parallel
+    mb = cfg.microbatch_size
+    for dp in range(p.dp, 0, -1):
+        grid = Grid(dp, p.pp, p.ep)
+        if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
+            return plan
+    candidates = []
+    for pp in range(1, cfg.model.n_layers + 1):
+        for ep in range(1, max(cfg.model.n_experts, 1) + 1):
+            for dp in range(1, p.dp + 1):
+                grid = Grid(dp, pp, ep)
+                if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
+                    candidates.append(plan)
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: (c.grid.size, -abs(c.grid.pp - p.pp), -abs(c.grid.ep - p.ep), c.grid.dp))
+
+
+def grow_plan(cfg: Config, grid: Grid, slots: int) -> Plan | None:
+    """A larger grid to grow to, when `slots` workers fit (the running grid's included) and
+    the run is below its configured grid; else None."""
+    e = cfg.elastic
+    if not (e.enabled and e.grow) or grid == Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep):
+        return None
+    plan = plan_grid(cfg, slots, e.min_workers)
+    return plan if plan is not None and plan.grid.size > grid.size else None
+
+
+def with_plan(cfg: Config, plan: Plan) -> Config:
+    """The config the workers of a re-planned grid run with."""
+    parallel = replace(cfg.parallel, dp=plan.grid.dp, pp=plan.grid.pp, ep=plan.grid.ep,
+                       microbatches=plan.microbatches)
+    new = replace(cfg, parallel=parallel)
+    try:
+        validate(new)
+    except ConfigError as e:  # plan_grid only proposes valid grids; this is a bug guard
+        raise RuntimeError(f"re-planned grid {plan} is invalid: {e}") from e
+    return new
+
+
+def worker_slots(resources: dict[str, float], cpus_per_worker: float, device: str) -> int:
+    """How many stage workers `resources` (Ray's resource dict) can hold."""
+    slots = int(resources.get("CPU", 0.0) / cpus_per_worker + 1e-9)
+    if device == "cuda":
+        slots = min(slots, int(resources.get("GPU", 0.0)))
+    return slots
+
+
+# -- failures: recover or fail ------------------------------------------------------------------
+
+
+class Decision(str, enum.Enum):
+    RECOVER = "recover"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """Recover from lost workers (and hung collectives) while restarts are left; fail on
+    anything else: a bug in a worker would only repeat."""
+
+    elastic: ElasticConfig
+
+    def decide(self, lost_worker: bool, restarts: int) -> tuple[Decision, str]:
+        """(decision, why) for a failure, after `restarts` earlier restarts."""
+        if not lost_worker:
+            return Decision.FAIL, "an error in a worker, not a lost one"
+        if not self.elastic.enabled:
+            return Decision.FAIL, "elastic.enabled is false"
+        if restarts >= self.elastic.max_restarts:
+            return Decision.FAIL, f"giving up after {restarts} restarts (elastic.max_restarts={self.elastic.max_restarts})"
+        return Decision.RECOVER, f"restart {restarts + 1} of at most {self.elastic.max_restarts}"
+
+
+# -- checkpoints: when to save ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which steps save a checkpoint or fold the EMA, counted in steps done."""
+
+    checkpoint: CheckpointConfig
+    total_steps: int
+
+    def save_due(self, steps_done: int) -> bool:
+        every = self.checkpoint.every
+        return every > 0 and (steps_done % every == 0 or steps_done == self.total_steps)
+
+    def ema_due(self, steps_done: int) -> bool:
+        c = self.checkpoint
+        return c.ema_decay > 0 and steps_done % c.ema_every == 0
+
+    def snapshot_options(self, save: bool) -> dict[str, bool]:
+        """What a snapshot copies: everything configured for a save, the weights alone for the EMA."""
+        if save:
+            return {"save_optimizer": self.checkpoint.save_optimizer, "save_master": self.checkpoint.save_master}
+        return {"save_optimizer": False, "save_master": False}

@@ -1,0 +1,205 @@
+"""Driver side of checkpointing: when to save, the save in flight, what saves cost, resuming.
+
+Saves never block the step loop unless `checkpoint.when_busy=wait` meets a save that is
+still writing. Workers copy their state after the step (overlapping the next one), the
+writers write, and the commit lands later; the driver only polls. The worker group's
+`checkpoints` part does the work; this decides and keeps the account.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from raypar.config import Config
+from raypar.driver.policies import SavePolicy
+from raypar.topology import Grid
+
+if TYPE_CHECKING:
+    from raypar.actors.checkpoints import WorkerCheckpoints
+
+
+@dataclass
+class SaveResult:
+    step: int
+    path: str | None
+    bytes: int
+    write_s: float  # slowest writer's time for its shards
+    duration_s: float  # from the save's start to its commit being seen
+    error: str | None = None
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        return self.bytes / self.write_s if self.write_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a run resumed: the first step to run and the samples consumed before it."""
+
+    step: int
+    consumed_samples: int
+    path: Path | None  # None: from step 0, nothing loaded
+    loaded: list[dict]  # per worker: rank and bytes read
+    load_s: float = 0.0  # reading the manifest and every worker's share
+
+
+class Saver:
+    def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None],
+                 on_result: Callable[[SaveResult], object] = lambda r: None):
+        self.policy = SavePolicy(cfg.checkpoint, cfg.train.steps)
+        self.timeout_s = cfg.checkpoint.timeout_s
+        self.when_busy = cfg.checkpoint.when_busy
+        self.on_result = on_result
+        self.log = log
+        self.root = Path(cfg.checkpoint.dir).expanduser().resolve() if cfg.checkpoint.dir else run_dir / "checkpoints"
+        self.results: list[SaveResult] = []
+        self.skipped = 0
+        self._workers: WorkerCheckpoints | None = None
+        self._pending = None  # (step, commit ref, start time)
+        self._writers_failed = False
+
+    def start(self, workers: WorkerCheckpoints) -> None:
+        """Save through `workers` from now on; their writers start before training, since an
+        actor start inside the loop would stall it."""
+        self._workers = workers
+        if self.policy.checkpoint.every > 0:
+            workers.start_writers(str(self.root), self.timeout_s)
+
+    def ready_for(self) -> tuple[bool, float]:
+        """May a save start now? Returns (go, seconds the loop was held up deciding)."""
+        self.poll()
+        if self._pending is None:
+            return True, 0.0
+        if self.when_busy == "skip":
+            self.skipped += 1
+            self.log(f"checkpoint: step {self._pending[0]} is still being written; skipping this save "
+                     f"(checkpoint.when_busy=skip)")
+            return False, 0.0
+        t0 = time.perf_counter()
+        self.finish()
+        return True, time.perf_counter() - t0
+
+    def snapshot(self, step: int) -> None:
+        """Snapshot the state after `step` (between steps) for a save."""
+        self._workers.snapshot(step, self.policy.snapshot_options(save=True))
+
+    def begin(self, steps_done: int, consumed: int, cfg: Config, grid: Grid, update_ema: bool = False) -> None:
+        """Save the snapshot taken after `steps_done` steps, on `grid` with `cfg`."""
+        from raypar.checkpoint import checkpoint_dir
+
+        if self._writers_failed:
+            self._workers.reset_writers()
+            self._writers_failed = False
+        # Partial directories of failed saves go; the one about to be written stays.
+        self._workers.clean_before(str(self.root), str(checkpoint_dir(self.root, steps_done)))
+        meta = {"consumed_samples": consumed, "config": cfg.to_dict(),
+                "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep},
+                "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
+        ref = self._workers.save(str(self.root), steps_done, meta, update_ema)
+        self._pending = (steps_done, ref, time.perf_counter())
+
+    def update_ema(self) -> None:
+        self._workers.update_ema(str(self.root))
+
+    def wait_exports(self) -> float:
+        """Wait until the last snapshot left the workers (its buffers are reused next)."""
+        return self._workers.wait_exports(self.timeout_s)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        import ray
+
+        if self._pending is None:
+            return
+        step, ref, t0 = self._pending
+        done, _ = ray.wait([ref], timeout=timeout)
+        if not done:
+            return
+        self._pending = None
+        try:
+            r = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a failed save must not stop training
+            self._record(SaveResult(step, None, 0, 0.0, time.perf_counter() - t0, error=repr(e)[:500]))
+            self._writers_failed = True
+            self.log(f"checkpoint: saving step {step} failed ({type(e).__name__}); its partial files are "
+                     f"removed at the next save, the last committed checkpoint stays valid")
+            return
+        result = SaveResult(step, r["path"], r["bytes"], r["write_s"], time.perf_counter() - t0)
+        self._record(result)
+        self.log(f"checkpoint: step {step} committed, {result.bytes / 2**20:.1f} MiB at "
+                 f"{result.write_bytes_per_s / 2**20:.0f} MiB/s -> {result.path}")
+
+    def abandon(self) -> bool:
+        """Forget the save in flight (its workers are gone); its partial files are cleaned later.
+
+        Returns whether a save was in flight: its writers are then replaced at the next save.
+        """
+        if self._pending is None:
+            return False
+        step = self._pending[0]
+        self._pending = None
+        self._record(SaveResult(step, None, 0, 0.0, 0.0, error="abandoned: workers lost during the save"))
+        self._writers_failed = True
+        return True
+
+    def finish(self) -> None:
+        """Wait for the save in flight, up to checkpoint.timeout_s."""
+        if self._pending is None:
+            return
+        step = self._pending[0]
+        self.poll(timeout=self.timeout_s)
+        if self._pending is not None:
+            self._pending = None
+            self._record(SaveResult(step, None, 0, 0.0, self.timeout_s,
+                                    error=f"not committed within checkpoint.timeout_s={self.timeout_s:g}s"))
+            self.log(f"checkpoint: step {step} did not commit within checkpoint.timeout_s; it is not valid")
+
+    def _record(self, result: SaveResult) -> None:
+        self.results.append(result)
+        self.on_result(result)
+
+    def last_committed(self) -> str | None:
+        ok = [r for r in self.results if r.error is None]
+        return ok[-1].path if ok else None
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def checkpoint_path(self, spec: str | None, recovering: bool) -> Path | None:
+        """The checkpoint `spec` names, or None when the run starts from step 0.
+
+        After a failure `spec` is "latest", which may not exist yet: then the run starts over
+        from step 0 (initialisation is deterministic, so nothing differs).
+        """
+        from raypar.checkpoint import latest, resolve
+
+        if spec is None or (spec == "latest" and recovering and latest(self.root) is None):
+            return None
+        return resolve(self.root, spec)
+
+    def resume(self, spec: str | None, recovering: bool, cfg: Config, grid: Grid) -> Resumed:
+        """Load checkpoint `spec` into the workers (`start` first)."""
+        from raypar.checkpoint import CheckpointError, read_manifest
+
+        path = self.checkpoint_path(spec, recovering)
+        if path is None:
+            return Resumed(0, 0, None, [])
+        t0 = time.perf_counter()
+        manifest = read_manifest(path)
+        saved_model = manifest.config.get("model", {})
+        current = cfg.to_dict()["model"]
+        # The dtype and the initial weights may differ; the shapes may not.
+        changed = {k: (saved_model.get(k), v) for k, v in current.items()
+                   if k not in ("dtype", "init_from") and saved_model.get(k) != v}
+        if changed:
+            raise CheckpointError(
+                f"{path} was written for another model: "
+                + ", ".join(f"model.{k}={old!r} there, {new!r} here" for k, (old, new) in changed.items())
+            )
+        topology = {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep}
+        loaded = self._workers.load(str(path), same_grid=manifest.topology == topology)
+        if self.policy.checkpoint.ema_decay:
+            self._workers.load_ema(str(self.root), str(path))
+        self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
+                 f"saved on grid {manifest.topology})")
+        return Resumed(manifest.step, manifest.consumed_samples, path, loaded, time.perf_counter() - t0)
