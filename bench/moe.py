@@ -73,7 +73,7 @@ def alltoall_figures(summary, cfg) -> dict:
 def p2p_row() -> dict:
     import ray
 
-    from raypar.actors.worker_group import GPU_ENV
+    from raypar.actors.placement import GPU_ENV
 
     if ray.cluster_resources().get("GPU", 0) < 2:
         return {"label": "NCCL p2p send/recv, 256 MiB", "unavailable": "needs 2 GPUs in the Ray cluster"}

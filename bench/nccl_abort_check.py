@@ -53,7 +53,7 @@ CHUNK = 64  # kernels per chunk in the bounded launcher
 
 
 def _env(rank: int, variant: str) -> None:
-    from actors.worker_group import GPU_ENV
+    from actors.placement import GPU_ENV
 
     os.environ.update(GPU_ENV)
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)

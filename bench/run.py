@@ -323,7 +323,7 @@ def start_ray(cpu: bool) -> None:
     # Actors defined in bench/ (moe's p2p pair) are imported by name in the workers.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     if not cpu:
-        from raypar.actors.worker_group import GPU_ENV
+        from raypar.actors.placement import GPU_ENV
 
         # NVLink multicast off for everything this process starts (Ray workers, spawned stages).
         # Eager CUDA module loading stays with the processes that need it: the driver's own

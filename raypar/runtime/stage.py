@@ -477,7 +477,7 @@ class StageRuntime:
         """Mark this worker's checkpoint share for copying to host memory; returns the stall.
 
         Every worker first checks its peers over the world: GPU workers keep their processes
-        after NCCL errors (GPU_ENV in actors/worker_group.py), so a collective the watchdog
+        after NCCL errors (GPU_ENV in actors/placement.py), so a collective the watchdog
         aborted may leave garbage without raising where it ran, and that must not be saved.
         Then only the RNG states are taken; the copies are issued beside the next step
         (`StateSnapshot`), and its optimizer step waits for them.
