@@ -168,7 +168,7 @@ class MoE(nn.Module):
         rows = permute(x.reshape(b * t, d), token, slots)
         counts = torch.bincount(expert, minlength=self.n_experts)
         if self.ep_size == 1:
-            out_rows = self._run_experts(rows, counts)
+            out_rows = self._run_experts(rows, host_wait.to_host(counts, "expert split sizes").tolist())
         else:
             out_rows = self._exchange_and_run(rows, counts)
         out = unpermute(out_rows, weight, token, slots).reshape(b, t, d)
@@ -177,11 +177,11 @@ class MoE(nn.Module):
             out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
         return out
 
-    def _run_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """Rows grouped by this rank's experts, in expert order; counts per local expert."""
+    def _run_experts(self, rows: Tensor, sizes: list[int]) -> Tensor:
+        """Rows grouped by this rank's experts, in expert order; `sizes`: rows per local expert."""
         # Every expert runs, also on zero rows, so each one has a (zero) gradient and all
         # replicas reduce and step the same tensors.
-        chunks = rows.split(host_wait.to_host(counts, "expert split sizes").tolist())
+        chunks = rows.split(sizes)
         return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
 
     def _exchange_and_run(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -191,15 +191,20 @@ class MoE(nn.Module):
         send_counts = counts.reshape(ep, local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        sizes = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)])
-        send, recv = host_wait.to_host(sizes, "all-to-all split sizes").tolist()
+        # One wait per layer for every size the host needs: rows to send to and receive from
+        # each rank, and rows per local expert.
+        sizes = torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1), recv_counts.sum(dim=0)])
+        sizes = host_wait.to_host(sizes, "all-to-all split sizes").tolist()
+        send, recv, per_expert = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
         self.stats.alltoall_s += time.perf_counter() - t0
         received = _AllToAll.apply(rows, send, recv, group, self.stats)
-        # Received rows are grouped by source rank, then expert; regroup by expert.
-        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.flatten())
+        # Received rows are grouped by source rank, then expert; regroup by expert. The output
+        # size is known on the host already, so repeat_interleave need not wait for the device.
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
+            recv_counts.flatten(), output_size=sum(recv))
         by_expert = torch.argsort(expert_of_row, stable=True)
         by_source = torch.argsort(by_expert)
         # A permutation is a permute whose every token has one slot: its inverse.
-        out_local = self._run_experts(permute(received, by_expert, by_source.unsqueeze(1)), recv_counts.sum(dim=0))
+        out_local = self._run_experts(permute(received, by_expert, by_source.unsqueeze(1)), per_expert)
         back = permute(out_local, by_source, by_expert.unsqueeze(1))
         return _AllToAll.apply(back, recv, send, group, self.stats)
