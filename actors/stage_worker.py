@@ -128,7 +128,8 @@ class StageWorker:
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status}
+                "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status,
+                "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None}
 
     def set_program(self, version: int, program: list[Action]) -> None:
         """The program of this worker's stage; steps name it by `version` (sent once per plan)."""

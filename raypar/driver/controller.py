@@ -32,6 +32,8 @@ from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
 from raypar.driver.saver import Resumed, Saver
 from raypar.driver.states import State, StateMachine
+from raypar.metrics import peak_flops_per_device
+from raypar.model import flops_per_token
 from raypar.resources import ResourceError, plan_resources
 from raypar.schedule import build_programs, prepare
 from raypar.topology import Grid
@@ -88,6 +90,8 @@ class Controller:
         self._status_written = 0.0  # monotonic time of the last status.json
         self._timeline_due = False  # runtime.timeline_step has run; drawn once its events are written
         self._kernels_said = False
+        self._flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self._peak_flops = 0.0  # per device, from the workers' devices once they are placed
         self._set_programs()
 
     def stop(self, save: bool) -> None:
@@ -272,7 +276,8 @@ class Controller:
         events.add(sent.step, reports, self.grid)
         gbs = self.cfg.train.global_batch_size
         return step_record(sent.step, reports, self.grid, self._sim_programs, self._last_step_done - started,
-                           tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs)
+                           tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs,
+                           flops_per_token=self._flops_per_token, peak_flops=self._peak_flops)
 
     def _after_step(self, record: StepRecord, sent: InFlightStep, records: list[StepRecord], metrics: IO[str],
                     events: EventLog, overlapped: bool) -> None:
@@ -328,6 +333,9 @@ class Controller:
         else:
             self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path), init_weights)
         self._say_kernels(self.group.info)
+        # The workers' devices, not the driver's: a cluster's head node may have no GPU.
+        peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
+        self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
         self.group.set_programs(self.programs)
 
     def _plan_elastic(self) -> Plan:

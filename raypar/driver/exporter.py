@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 from raypar.config import Config, ConfigError
 from raypar.driver.callbacks import Callback
 from raypar.driver.stats import WorkerTimes
-from raypar.metrics import CATALOG, MetricSpec, detect_device_name, peak_flops_per_device, spec
+from raypar.metrics import CATALOG, MetricSpec, detect_device_name, mfu, peak_flops_per_device, spec
 
 if TYPE_CHECKING:
     from raypar.driver.records import Recovery, StepRecord
@@ -221,7 +221,9 @@ class MetricsExporter(Callback):
         b.set("raypar_loss", record.loss, run)
         b.set("raypar_grad_norm", record.grad_norm, run)
         b.set("raypar_learning_rate", record.lr, run)
-        b.set("raypar_mfu_ratio", self.mfu(record.tokens_per_s), run)
+        # The driver's records carry MFU from the workers' devices and the grid running now.
+        recorded = getattr(record, "mfu", None)
+        b.set("raypar_mfu_ratio", self.mfu(record.tokens_per_s) if recorded is None else recorded, run)
         b.set("raypar_bubble_ratio", record.bubble_measured, {**run, "kind": "measured"})
         b.set("raypar_bubble_ratio", record.bubble_simulated, {**run, "kind": "simulated"})
         b.set("raypar_control_overhead_ratio", record.control_overhead, run)
@@ -243,9 +245,8 @@ class MetricsExporter(Callback):
             b.set("raypar_checkpoint_stall_seconds", stall, run)
 
     def mfu(self, tokens_per_s: float) -> float:
-        if self.peak_flops <= 0 or self.n_devices <= 0:
-            return 0.0
-        return tokens_per_s * self.flops_per_token / (self.n_devices * self.peak_flops)
+        """MFU from this exporter's own figures, for records that do not carry one."""
+        return mfu(tokens_per_s, self.flops_per_token, self.n_devices, self.peak_flops)
 
     # -- explicit observations -------------------------------------------------------------
 

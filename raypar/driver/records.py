@@ -6,6 +6,7 @@ from statistics import fmean
 from typing import Iterable
 
 from raypar.driver.stats import WorkerTimes, measured_bubble, pipelines, simulated_bubble, stage_times, step_loss
+from raypar.metrics import mfu
 from raypar.runtime.report import StepReport
 from raypar.schedule import Prepared
 from raypar.topology import Grid
@@ -31,12 +32,16 @@ class StepRecord:
     alltoall_s: float | None = None  # slowest worker's host time in all-to-all (MoE with ep > 1)
     checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
     stage_times: list[WorkerTimes] = field(default_factory=list)  # per worker: forward, backward, idle seconds
+    # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
+    # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
+    mfu: float = 0.0
 
 
 def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prepared, step_time_s: float,
-                tokens: int, consumed_samples: int) -> StepRecord:
+                tokens: int, consumed_samples: int, flops_per_token: float = 0.0,
+                peak_flops: float = 0.0) -> StepRecord:
     """The record of one step from its completed reports; `tokens` per step, `consumed_samples`
-    after it."""
+    after it; `peak_flops` per device of the grid."""
     worker_time = max(r.wall_s for r in reports)
     by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731
     return StepRecord(
@@ -58,6 +63,7 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         alltoall_s=max(r.alltoall_s for r in reports) if grid.ep > 1 else None,
         checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
         stage_times=stage_times(reports, grid),
+        mfu=mfu(tokens / step_time_s, flops_per_token, grid.size, peak_flops),
     )
 
 
@@ -129,6 +135,7 @@ class RunSummary:
     peak_activation_bytes: list[int]
     peak_device_bytes: list[int]
     consumed_samples: int
+    mfu: float = 0.0  # steady steps' mean; by active parameters, over the devices of the grid that ran them
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # summed over steps
     tokens_dropped: int = 0
     alltoall_bytes_per_step: float = 0.0
@@ -151,7 +158,7 @@ class RunSummary:
         lines = [
             f"steps               {self.steps}  (grid {self.grid}, {self.schedule}, {self.microbatches} micro-batches, {self.device})",
             f"final loss          {self.final_loss:.4f}",
-            f"tokens/s            {self.tokens_per_s:,.0f}",
+            f"tokens/s            {self.tokens_per_s:,.0f}" + (f"  (MFU {self.mfu:.1%})" if self.mfu else ""),
             f"step time           {self.step_time_s * 1000:.1f} ms",
             f"bubble              measured {self.bubble_measured:.3f}  simulated {self.bubble_simulated:.3f}",
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
@@ -213,6 +220,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         bubble_measured=avg("bubble_measured"),
         bubble_simulated=avg("bubble_simulated"),
         control_overhead=avg("control_overhead"),
+        mfu=avg("mfu"),
         # Per stage of the final grid; steps run on a deeper grid before a re-plan count where they fit.
         peak_activation_bytes=[max((r.peak_activation_bytes[s] for r in records if s < len(r.peak_activation_bytes)),
                                    default=0) for s in stages],

@@ -3,6 +3,7 @@
 The exporter that serves them is Ray-side: `raypar.driver.exporter`.
 """
 from raypar.metrics.catalog import BY_NAME, CATALOG, MetricSpec, spec
-from raypar.metrics.peak import PEAK_FLOPS, detect_device_name, peak_flops_per_device
+from raypar.metrics.peak import PEAK_FLOPS, detect_device_name, mfu, peak_flops_per_device
 
-__all__ = ["BY_NAME", "CATALOG", "PEAK_FLOPS", "MetricSpec", "detect_device_name", "peak_flops_per_device", "spec"]
+__all__ = ["BY_NAME", "CATALOG", "PEAK_FLOPS", "MetricSpec", "detect_device_name", "mfu", "peak_flops_per_device",
+           "spec"]

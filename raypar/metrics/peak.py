@@ -35,6 +35,14 @@ def peak_flops_per_device(device_name: str | None, dtype: str) -> float:
     return 0.0
 
 
+def mfu(tokens_per_s: float, flops_per_token: float, devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the model's FLOP/s over the peak of the `devices` running it
+    (`peak_flops` per device; 0 when unknown, and then MFU reads 0 too)."""
+    if peak_flops <= 0 or devices <= 0:
+        return 0.0
+    return tokens_per_s * flops_per_token / (devices * peak_flops)
+
+
 def detect_device_name(cfg: Config) -> str | None:
     """The CUDA device name as the driver sees it; None on CPU runs or a GPU-less driver."""
     if cfg.runtime.device == "cpu":
