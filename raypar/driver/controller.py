@@ -14,6 +14,7 @@ The driver makes one Ray call per worker per step (DESIGN.md: an awaited actor c
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -125,8 +126,6 @@ class Controller:
     def _connect(self) -> None:
         if ray.is_initialized():
             return
-        import os
-
         address = self.cfg.runtime.ray_address or os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address)
