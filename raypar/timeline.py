@@ -95,11 +95,22 @@ def load_step(run_dir: str | Path, step: int) -> list[WorkerEvents]:
             steps.add(row["step"])
             if row["step"] == step:
                 found.append(WorkerEvents(row["step"], row["rank"], row["dp"], row["pp"], row.get("ep", 0),
-                                          [Event(label, Op(op), float(s), float(e)) for label, op, s, e in row["events"]]))
+                                          [_event(item) for item in row["events"]]))
     if not found:
         have = _ranges(sorted(steps)) if steps else "none"
         raise TimelineError(f"{path} has no events for step {step}; steps available: {have}")
     return sorted(found, key=lambda w: (w.dp, w.ep, w.pp))
+
+
+def _event(item: list) -> Event:
+    """An events.jsonl span: [label, op, start, end]; runs written before spans carried their
+    op have [label, start, end], whose op is the label's first action."""
+    if len(item) == 3:
+        label, start, end = item
+        op = parse_program(label)[0].op
+    else:
+        label, op, start, end = item
+    return Event(label, Op(op), float(start), float(end))
 
 
 def _ranges(steps: list[int]) -> str:

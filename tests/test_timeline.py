@@ -95,3 +95,14 @@ def test_event_kinds(label, kind):
     from raypar.schedule import parse_program
 
     assert event_kind(parse_program(label)[0].op) == kind
+
+
+def test_a_run_written_before_spans_carried_their_op_still_loads(tmp_path):
+    """events.jsonl rows of older runs are [label, start, end]; their kind comes from the label."""
+    import json
+
+    row = {"step": 0, "rank": 0, "dp": 0, "pp": 0, "ep": 0,
+           "events": [["F0", 0.0, 1.0], ["SEND_F0->1", 1.0, 1.5], ["B0", 2.0, 4.0]]}
+    (tmp_path / "events.jsonl").write_text(json.dumps(row) + "\n")
+    (worker,) = load_step(tmp_path, 0)
+    assert [e.kind for e in worker.events] == ["forward", "communication", "backward"]
