@@ -1,12 +1,15 @@
 """One MoE launch, diagnosed: step time per step, each worker's forward / backward / idle
 seconds, the all-to-all's host time, MFU, and each worker's CPU affinity.
 
-    python -m bench.moe_launches LABEL [section.key=value ...]    # configs/moe-scale.yaml
+    python -m bench.moe_launches LABEL [--pin] [section.key=value ...]    # configs/moe-scale.yaml
 
 Run it several times in one call to compare launches of the same code (BENCHMARKS.md, issue 24).
+`--pin` gives every thread of worker r the cores 4 + 2r and 5 + 2r (`taskset -a`) before the
+first step: a trial of whether the host's scheduling moves the step time.
 """
 import os
 import statistics
+import subprocess
 import sys
 
 from raypar import Callback, Trainer, load_config
@@ -15,9 +18,16 @@ from raypar import Callback, Trainer, load_config
 class Where(Callback):
     """Each worker's pid and CPU affinity once the workers are up (read from this node)."""
 
+    def __init__(self, pin: bool):
+        self.pin = pin
+
     def on_train_start(self, trainer):
         self.workers = []
         for i in trainer.group.info:
+            if self.pin:
+                first = 4 + 2 * i["rank"]
+                subprocess.run(["taskset", "-a", "-cp", f"{first},{first + 1}", str(i["pid"])],
+                               check=True, capture_output=True)
             try:
                 cpus = sorted(os.sched_getaffinity(i["pid"]))
                 aff = f"{cpus[0]}-{cpus[-1]} ({len(cpus)})"
@@ -27,9 +37,10 @@ class Where(Callback):
 
 
 def main() -> None:
-    label = sys.argv[1]
-    where = Where()
-    s = Trainer(load_config("configs/moe-scale.yaml", sys.argv[2:]), callbacks=[where], log=lambda m: None).fit()
+    label, args = sys.argv[1], sys.argv[2:]
+    where = Where(pin="--pin" in args)
+    overrides = [a for a in args if a != "--pin"]
+    s = Trainer(load_config("configs/moe-scale.yaml", overrides), callbacks=[where], log=lambda m: None).fit()
     steady = s.records[1:]
     per_worker = {}
     for r in steady:
