@@ -148,10 +148,10 @@ class Controller:
                 while True:
                     try:
                         t0 = time.time()
-                        self._start(dataset, resume)  # a worker lost while starting is a failure like any other
+                        path = self._start(dataset, resume)  # a worker lost while starting is a failure like any other
                         t1 = time.time()
                         self.saver.start(self.group.checkpoints)
-                        self.resumed = self.saver.resume(resume, self._recovery is not None, self.cfg, self.grid)
+                        self.resumed = self.saver.resume(path, self.cfg, self.grid)
                         self.states.to(State.RUNNING)
                         if self._recovery is not None:
                             self._recovery.resumed(str(self.grid), self.resumed.step, workers_s=t1 - t0,
@@ -310,9 +310,10 @@ class Controller:
 
     # -- planning and starting -------------------------------------------------------------
 
-    def _start(self, dataset: TokenDataset, resume: str | None) -> None:
-        """PLANNING -> STARTING: pick the grid, place and wire its workers. With a checkpoint to
-        `resume`, the stages are not initialised: the load fills them."""
+    def _start(self, dataset: TokenDataset, resume: str | None) -> Path | None:
+        """PLANNING -> STARTING: pick the grid, place and wire its workers; returns the checkpoint
+        `resume` names (None: from step 0). With one, the stages are not initialised: the load
+        fills them."""
         if self.cfg.elastic.enabled:
             plan, self._next_plan = self._next_plan, None
             self._adopt(plan or self._plan_elastic())
@@ -321,7 +322,8 @@ class Controller:
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
-        init_weights = self.saver.checkpoint_path(resume, self._recovery is not None) is None
+        path = self.saver.checkpoint_path(resume, self._recovery is not None)
+        init_weights = path is None
         if self.group is not None:
             # Workers kept after a failure (`_recover`): the new grid on them plus replacements.
             counts = self.group.reconfigure(self.cfg, self.grid, init_weights)
@@ -336,6 +338,7 @@ class Controller:
         peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
         self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
         self.group.set_programs(self.programs)
+        return path
 
     def _plan_elastic(self) -> Plan:
         """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
@@ -412,7 +415,7 @@ class Controller:
         detection_s = time.perf_counter() - (self._step_started or time.perf_counter())
         decision, why = self.failures.decide(self._is_worker_failure(error), self.restarts)
         if decision is Decision.FAIL:
-            if self.cfg.elastic.enabled and self.restarts >= self.cfg.elastic.max_restarts:
+            if self.cfg.elastic.enabled:
                 self.log(f"raypar: {why}")
             raise error
         self.states.to(State.RECOVERING, repr(error)[:200])

@@ -110,7 +110,7 @@ class FailurePolicy:
     def decide(self, lost_worker: bool, restarts: int) -> tuple[Decision, str]:
         """(decision, why) for a failure, after `restarts` earlier restarts."""
         if not lost_worker:
-            return Decision.FAIL, "an error in a worker, not a lost one"
+            return Decision.FAIL, "not recovering from an error in a worker (not a lost one): it would only repeat"
         if not self.elastic.enabled:
             return Decision.FAIL, "elastic.enabled is false"
         if restarts >= self.elastic.max_restarts:

@@ -177,11 +177,11 @@ class Saver:
             return None
         return resolve(self.root, spec)
 
-    def resume(self, spec: str | None, recovering: bool, cfg: Config, grid: Grid) -> Resumed:
-        """Load checkpoint `spec` into the workers (`start` first)."""
+    def resume(self, path: Path | None, cfg: Config, grid: Grid) -> Resumed:
+        """Load checkpoint `path` (`checkpoint_path`) into the workers (`start` first); None:
+        the run starts from step 0."""
         from raypar.checkpoint import CheckpointError, read_manifest
 
-        path = self.checkpoint_path(spec, recovering)
         if path is None:
             return Resumed(0, 0, None, [])
         t0 = time.perf_counter()
