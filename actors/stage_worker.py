@@ -208,9 +208,10 @@ class StageWorker:
 
     def owned_weight_names(self) -> list[str]:
         """The weights this worker writes to checkpoints (one writer per replicated tensor)."""
+        from raypar.model import unstacked
         from raypar.runtime.state import writes
 
-        return [n for n, _ in self.runtime.model.named_parameters() if writes(self.grid.coord(self.rank), n)]
+        return [n for n, _ in unstacked(self.runtime.model) if writes(self.grid.coord(self.rank), n)]
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.runtime.load_parameters(tensors)

@@ -106,12 +106,13 @@ _FUSED = re.compile(r"model\.layers\.(?P<i>\d+)\.block_sparse_moe\.experts\.(?P<
 
 
 def _param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from raypar.model.experts import unstacked
     from raypar.model.transformer import Transformer
 
     # On the meta device: shapes without allocating the model.
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in unstacked(model)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -75,3 +75,25 @@ def to_host(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.device.type == "cuda":
         synchronize(t.device, what)
     return t.cpu()
+
+
+class HostCopy:
+    """`t.cpu()` started now and read later with `result`, so the host may queue more GPU
+    work before it waits for the values."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def result(self, what: str) -> torch.Tensor:
+        if self.event is not None:
+            wait_for(self.event, what)
+        else:
+            check(what)
+        return self.host

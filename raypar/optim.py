@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from raypar.config import TrainConfig
+from raypar.model.experts import named_slices
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -46,6 +47,8 @@ class MasterOptimizer:
     def __init__(self, module: nn.Module, cfg: TrainConfig):
         self.cfg = cfg
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # What checkpoints call each parameter's pieces (stacked experts: one per expert).
+        self.slices = named_slices(module)
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
         if self.mixed:
             self.master = [p.detach().float().clone() for _, p in self.named_params]
@@ -97,7 +100,8 @@ class MasterOptimizer:
         return out
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        return {n: g for (n, _), g in zip(self.named_params, self.grads())}
+        """Gradients under checkpoint names (views of the fp32 gradients)."""
+        return {key: g[index] for (n, _), g in zip(self.named_params, self.grads()) for key, index in self.slices[n]}
 
     def split_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(dense, expert) gradients, for their different reduction groups."""
@@ -114,15 +118,16 @@ class MasterOptimizer:
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
     def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Overwrite parameters (and their fp32 masters) by name; returns the names set."""
+        """Overwrite parameters (and their fp32 masters) by checkpoint name; returns the names set."""
         done = []
         with torch.no_grad():
             for (name, p), m in zip(self.named_params, self.master):
-                if name in tensors:
-                    m.copy_(tensors[name])
-                    if m is not p:
-                        p.copy_(m)
-                    done.append(name)
+                keys = [(key, index) for key, index in self.slices[name] if key in tensors]
+                for key, index in keys:
+                    m[index].copy_(tensors[key])
+                    done.append(key)
+                if keys and m is not p:
+                    p.copy_(m)
         return done
 
     def step(self, step: int, total_norm: torch.Tensor | float) -> float:

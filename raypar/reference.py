@@ -8,7 +8,7 @@ import torch
 
 from raypar.config import Config
 from raypar.kernels import sample_seeds
-from raypar.model import build_stage
+from raypar.model import build_stage, unstacked
 from raypar.optim import MasterOptimizer
 
 
@@ -38,4 +38,4 @@ class ReferenceTrainer:
         return float(loss.detach()), grads
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+        return {n: t.detach().float().clone() for n, t in unstacked(self.model)}

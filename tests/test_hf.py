@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from raypar.checkpoint import CheckpointError, Manifest, commit, merge_entries, write_shard  # noqa: E402
 from raypar.config import Config, ConfigError, ModelConfig, from_dict  # noqa: E402
 from raypar.hf import export_checkpoint_to_hf, hf_config, load_hf_weights, model_config_from_hf  # noqa: E402
-from raypar.model import build_stage  # noqa: E402
+from raypar.model import build_stage, load_unstacked, unstacked  # noqa: E402
 
 DENSE = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, max_seq_len=16,
                     rope_theta=5000.0, norm_eps=1e-6)
@@ -56,7 +56,7 @@ def _hf_logits(out_dir: pathlib.Path, tokens: torch.Tensor) -> torch.Tensor:
 @CONFIGS
 def test_export_matches_transformers(tmp_path: pathlib.Path, cfg: ModelConfig) -> None:
     model = _model(cfg)
-    ckpt = _save_checkpoint(tmp_path / "step-000000001", cfg, dict(model.state_dict()))
+    ckpt = _save_checkpoint(tmp_path / "step-000000001", cfg, dict(unstacked(model)))
     out = export_checkpoint_to_hf(ckpt, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM" if cfg.n_experts else "LlamaForCausalLM"]
@@ -83,7 +83,7 @@ def test_transformers_weights_load_into_raypar(tmp_path: pathlib.Path, cfg: Mode
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
 
     model = build_stage(cfg, 0, 1, seed=99).eval()
-    model.load_state_dict(load_hf_weights(tmp_path / "hf", cfg), strict=True)
+    load_unstacked(model, load_hf_weights(tmp_path / "hf", cfg))
     tokens = _tokens(cfg)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-5)
@@ -106,32 +106,32 @@ def test_fused_experts_on_disk(tmp_path: pathlib.Path) -> None:
 
 def test_sharded_export_and_stage_subset(tmp_path: pathlib.Path) -> None:
     model = _model(MOE)
-    ckpt = _save_checkpoint(tmp_path / "ckpt", MOE, dict(model.state_dict()))
+    ckpt = _save_checkpoint(tmp_path / "ckpt", MOE, dict(unstacked(model)))
     out = export_checkpoint_to_hf(ckpt, tmp_path / "hf", max_shard_bytes=8_000)
     assert len(list(out.glob("model-*.safetensors"))) > 1
     want = ["layers.1.mlp.experts.2.w3.weight", "head.weight"]
     got = load_hf_weights(out, MOE, names=want)
     assert sorted(got) == sorted(want)
     for name in want:
-        torch.testing.assert_close(got[name], model.state_dict()[name], rtol=0, atol=0)
+        torch.testing.assert_close(got[name], dict(unstacked(model))[name], rtol=0, atol=0)
 
 
 def test_export_ema(tmp_path: pathlib.Path) -> None:
     model, ema_model = _model(DENSE, seed=0), _model(DENSE, seed=5)
-    tensors = dict(model.state_dict()) | {f"ema.{n}": t for n, t in ema_model.state_dict().items()}
+    tensors = dict(unstacked(model)) | {f"ema.{n}": t for n, t in unstacked(ema_model)}
     ckpt = _save_checkpoint(tmp_path / "ckpt", DENSE, tensors)
     out = export_checkpoint_to_hf(ckpt, tmp_path / "hf", ema=True)
     loaded = load_hf_weights(out, DENSE)
-    for name, t in ema_model.state_dict().items():
+    for name, t in unstacked(ema_model):
         torch.testing.assert_close(loaded[name], t, rtol=0, atol=0)
 
-    plain = _save_checkpoint(tmp_path / "plain", DENSE, dict(model.state_dict()))
+    plain = _save_checkpoint(tmp_path / "plain", DENSE, dict(unstacked(model)))
     with pytest.raises(CheckpointError, match="no EMA weights"):
         export_checkpoint_to_hf(plain, tmp_path / "hf2", ema=True)
 
 
 def test_export_drop_and_missing(tmp_path: pathlib.Path) -> None:
-    state = dict(_model(DENSE).state_dict())
+    state = dict(unstacked(_model(DENSE)))
     ckpt = _save_checkpoint(tmp_path / "ckpt", DENSE, state)
     out = export_checkpoint_to_hf(ckpt, tmp_path / "hf", drop=[r"^head\."])
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -166,7 +166,7 @@ def test_pickle_weights_refused(tmp_path: pathlib.Path) -> None:
 def test_unsupported_moe_layouts_refused(tmp_path: pathlib.Path) -> None:
     every_other = dataclasses.replace(MOE, moe_every=2)
     model = build_stage(every_other, 0, 1, seed=0)
-    ckpt = _save_checkpoint(tmp_path / "ckpt", every_other, dict(model.state_dict()))
+    ckpt = _save_checkpoint(tmp_path / "ckpt", every_other, dict(unstacked(model)))
     with pytest.raises(ConfigError, match="model.moe_every=2"):
         export_checkpoint_to_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from raypar.config import ConfigError, load_config
-from raypar.runtime.profile import device_time, kernel_kind
+from raypar.runtime.profile import device_time, kernel_kind, collective
 from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
@@ -40,6 +40,22 @@ def test_device_time_sums_kernels_by_kind_and_the_busy_time(tmp_path):
         "communication": 1, "attention": 1, "matmul": 1, "multi_tensor": 1, "other": 1}
     assert got["by_kind"]["communication"]["ms"] == pytest.approx(0.2)
     assert kernel_kind("nvjet_tst_128x256_h_bz_coopA_NNT") == "matmul"
+    # The send/receive ran 50-250; compute covered 50-100 of it: 150 us exposed.
+    assert got["exposed_ms"] == {"SendRecv": pytest.approx(0.15)}
+
+
+def test_exposed_time_is_per_collective(tmp_path):
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 0, 100),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 200, 100),
+              kernel("sm90_xmma_gemm_bf16", 250, 100)]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = device_time(trace)
+    assert got["exposed_ms"] == {"SendRecv": pytest.approx(0.1), "AllReduce": pytest.approx(0.05)}
+    assert collective("ncclKernel_AllGather_RING_LL_Sum_int8_t(x)") == "AllGather"
 
 
 def test_a_negative_profile_step_is_refused():

@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from raypar.model import unstacked
 from raypar.optim import lr_at
 from raypar.reference import ReferenceTrainer
 
@@ -106,7 +107,7 @@ class Tolerances:
             dscale = max(abs(n - ref_norm) for n in run_norms) / tc.grad_clip
         low = max(1.0, scale - dscale)
         lr = lr_at(tc, step)
-        params = dict(self.ref.model.named_parameters())
+        params = dict(unstacked(self.ref.model))
         for name, g in ref_grads.items():
             g = g.double() / scale
             self._history[name].append((g, (self.grads[name].double() + g.abs() * dscale) / low))

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from raypar import host_wait
 from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
-from raypar.model.layers import FeedForward
+from raypar.model.experts import GroupedExperts, group_alignment, grouped_layout
 
 
 class MoEStats:
@@ -127,7 +127,7 @@ def route(logits: Tensor, top_k: int, capacity_factor: float):
 
 
 class MoE(nn.Module):
-    """Router plus experts `layers.<i>.mlp.experts.<j>` (this rank's share of them)."""
+    """Router plus this rank's share of the experts, stacked (`layers.<i>.mlp.experts`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
                  dtype: torch.dtype | None = None) -> None:
@@ -139,72 +139,94 @@ class MoE(nn.Module):
         self.z_coef = cfg.moe_z_loss_coef
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.local = cfg.n_experts // ep_size
-        first = ep_rank * self.local
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False, dtype=dtype)
-        hidden = cfg.moe_ffn_dim or cfg.hidden_dim
-        # Each expert is the dense MLP, so its parameters are named like one (w1, w2, w3).
-        self.experts = nn.ModuleDict({str(j): FeedForward(cfg.dim, hidden, dtype=dtype)
-                                      for j in range(first, first + self.local)})
+        self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, ep_rank * self.local, self.local,
+                                      dtype=dtype)
         self.ep_group = None  # set by the runtime when ep_size > 1
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
         self.stats = MoEStats()
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
+        n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
-        weights, experts, keep, aux, z = route(logits, self.top_k, self.capacity_factor)
+        weights, experts, keep, aux, z = route(logits, k, self.capacity_factor)
         self.stats.add(torch.bincount(experts.flatten(), minlength=self.n_experts), (~keep).sum())
 
-        # A slot is one kept (token, choice); slots are sorted by expert. slots[n, j] is the
-        # slot of token n's j-th choice, -1 when the capacity dropped it.
-        kept = keep.flatten().nonzero().squeeze(1)
-        kept = kept[torch.argsort(experts.flatten()[kept], stable=True)]
-        token = kept // self.top_k
-        expert = experts.flatten()[kept]
-        weight = weights.flatten()[kept]
-        slots = torch.full((b * t * self.top_k,), -1, dtype=torch.int64, device=x.device)
-        slots[kept] = torch.arange(kept.numel(), device=x.device)
-        slots = slots.view(b * t, self.top_k)
-        rows = permute(x.reshape(b * t, d), token, slots)
-        counts = torch.bincount(expert, minlength=self.n_experts)
+        # A slot is one (token, choice). Slots are sorted by expert, the ones the capacity
+        # dropped after all others (as expert n_experts), so every size below is known on
+        # the host without reading the device.
+        expert = experts.flatten()
+        if self.capacity_factor > 0:
+            expert = torch.where(keep.flatten(), expert, self.n_experts)
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.n_experts + 1)[:self.n_experts]
+        weight = weights.flatten()
+        if self.capacity_factor > 0:
+            weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
         if self.ep_size == 1:
-            out_rows = self._run_experts(rows, host_wait.to_host(counts, "expert split sizes").tolist())
+            # slots[token, j]: the row of token's j-th choice, -1 when dropped.
+            position, ends, rows_n = grouped_layout(expert[order], counts, group_alignment(x))
+            slots = _slots(order, position, keep, n)
+            token = x.new_zeros(rows_n, dtype=torch.int64).index_copy_(0, position, order // k)
+            row_weight = weight.new_zeros(rows_n).index_copy(0, position, weight[order])
+            rows = permute(x.reshape(b * t, d), token, slots)
+            out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
         else:
-            out_rows = self._exchange_and_run(rows, counts)
-        out = unpermute(out_rows, weight, token, slots).reshape(b, t, d)
+            out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
         return out
 
-    def _run_experts(self, rows: Tensor, sizes: list[int]) -> Tensor:
-        """Rows grouped by this rank's experts, in expert order; `sizes`: rows per local expert."""
-        # Every expert runs, also on zero rows, so each one has a (zero) gradient and all
-        # replicas reduce and step the same tensors.
-        chunks = rows.split(sizes)
-        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
-
-    def _exchange_and_run(self, rows: Tensor, counts: Tensor) -> Tensor:
-        group, ep, local = self.ep_group, self.ep_size, self.local
-        # Counts first: how many rows each rank will send to each of my experts.
+    def _exchange_and_run(self, x: Tensor, order: Tensor, counts: Tensor, weight: Tensor, keep: Tensor) -> Tensor:
+        """Send each kept slot's row to its expert's rank, run the experts there, send the
+        results back and sum them per token."""
+        group, ep, local, k = self.ep_group, self.ep_size, self.local, self.top_k
+        n = order.numel()
+        # Counts first: how many rows each rank will send to each of my experts. The host
+        # needs the rows to send to and receive from each rank (one wait per layer), and
+        # reads them after the rows are gathered, so that work is queued meanwhile.
         t0 = time.perf_counter()
         send_counts = counts.reshape(ep, local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        # One wait per layer for every size the host needs: rows to send to and receive from
-        # each rank, and rows per local expert.
-        sizes = torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1), recv_counts.sum(dim=0)])
-        sizes = host_wait.to_host(sizes, "all-to-all split sizes").tolist()
-        send, recv, per_expert = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
+        sizes = host_wait.HostCopy(torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1)]))
         self.stats.alltoall_s += time.perf_counter() - t0
-        received = _AllToAll.apply(rows, send, recv, group, self.stats)
-        # Received rows are grouped by source rank, then expert; regroup by expert. The output
-        # size is known on the host already, so repeat_interleave need not wait for the device.
-        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
-            recv_counts.flatten(), output_size=sum(recv))
+        slots = _slots(order, torch.arange(n, device=x.device), keep, n)
+        token = order // k
+        rows = permute(x, token, slots)
+        t0 = time.perf_counter()
+        sizes = sizes.result("all-to-all split sizes").tolist()
+        send, recv = sizes[:ep], sizes[ep:]
+        self.stats.alltoall_s += time.perf_counter() - t0
+        kept = sum(send)  # the dropped slots' rows sort after these and stay here
+        received = _AllToAll.apply(rows[:kept], send, recv, group, self.stats)
+        out_local, back = self._run_received(received, recv_counts, sum(recv))
+        returned = _AllToAll.apply(back(out_local), recv, send, group, self.stats)
+        return unpermute(returned, weight[order[:kept]], token[:kept], slots)
+
+    def _run_received(self, received: Tensor, recv_counts: Tensor, r: int):
+        """Run the experts on rows grouped by source rank, then local expert; returns their
+        output (grouped by expert) and the function that puts it back in received order."""
+        ep, local = self.ep_size, self.local
+        # The output size is known on the host, so repeat_interleave need not wait for the device.
+        expert_of_row = torch.arange(local, device=received.device).repeat(ep).repeat_interleave(
+            recv_counts.flatten(), output_size=r)
         by_expert = torch.argsort(expert_of_row, stable=True)
-        by_source = torch.argsort(by_expert)
+        align = group_alignment(received) if r else 1  # padding rows copy row 0: there must be one
+        position, ends, rows_n = grouped_layout(expert_of_row[by_expert], recv_counts.sum(dim=0), align)
+        row_of = torch.empty_like(position).index_copy_(0, by_expert, position)  # received row -> expert row
+        source = torch.zeros(rows_n, dtype=torch.int64, device=received.device).index_copy_(
+            0, row_of, torch.arange(r, device=received.device))
+        back_slots = torch.full((rows_n, 1), -1, dtype=torch.int64, device=received.device).index_copy_(
+            0, row_of, torch.arange(r, device=received.device).unsqueeze(1))
         # A permutation is a permute whose every token has one slot: its inverse.
-        out_local = self._run_experts(permute(received, by_expert, by_source.unsqueeze(1)), per_expert)
-        back = permute(out_local, by_source, by_expert.unsqueeze(1))
-        return _AllToAll.apply(back, recv, send, group, self.stats)
+        out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
+        return out_local, lambda y: permute(y, row_of, back_slots)
+
+
+def _slots(order: Tensor, position: Tensor, keep: Tensor, n: int) -> Tensor:
+    """[tokens, k]: the row of each (token, choice), -1 where the capacity dropped it."""
+    slots = torch.empty(n, dtype=torch.int64, device=order.device).index_copy_(0, order, position)
+    return torch.where(keep.flatten(), slots, -1).view(-1, keep.shape[-1])

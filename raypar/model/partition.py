@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 
 from raypar.config import ModelConfig
+from raypar.model.experts import unstacked
 from raypar.model.transformer import Transformer, init_weights
 
 __all__ = ["PartitionError", "split_layers", "build_stage", "stage_param_names", "stage_param_shapes"]
@@ -119,4 +120,4 @@ def stage_param_shapes(
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
     with torch.device("meta"):
         model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
-    return [(name, p.shape, p.dtype) for name, p in model.named_parameters()]
+    return [(name, t.shape, t.dtype) for name, t in unstacked(model)]

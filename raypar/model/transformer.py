@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from raypar.config import ModelConfig
 from raypar.kernels import dropout_add, site_salt
 from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
+from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
 
 __all__ = [
@@ -235,9 +236,12 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
 
     `module` must name its parameters globally (a `Transformer`, whole or stage). Values are
     drawn on the CPU in fp32 and then copied, so they are bitwise identical across
-    pipeline splits, devices and parameter dtypes (up to the final cast).
+    pipeline splits, expert-parallel splits, devices and parameter dtypes (up to the final
+    cast): each tensor a checkpoint names (an expert's w1, not the stack of them) has its
+    own seed.
     """
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    slices = named_slices(module)
     for mod_name, mod in module.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
@@ -249,10 +253,12 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
             if p_name == "bias":
                 p.zero_()
                 continue
-            std = residual_std if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT else cfg.init_std
-            gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-            values = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            p.copy_(values.to(p.dtype))
+            for key, index in slices[name]:
+                module_name = key.rsplit(".", 1)[0]  # the Linear's: stacked experts name theirs
+                std = residual_std if module_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT else cfg.init_std
+                gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, key))
+                values = torch.empty(p[index].shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                p[index].copy_(values.to(p.dtype))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -42,23 +42,41 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KINDS if any(m in lower for m in marks)), "other")
 
 
+def collective(kernel: str) -> str:
+    """A communication kernel's collective: `ncclDevKernel_SendRecv(...)` is SendRecv (an
+    all-to-all or pipeline transfers), `ncclDevKernel_AllReduce_Sum_f32_RING_LL` AllReduce."""
+    name = kernel.split("(", 1)[0]
+    for prefix in ("ncclDevKernel_", "ncclKernel_"):
+        if name.startswith(prefix):
+            return name[len(prefix):].split("_", 1)[0]
+    return name
+
+
 def device_time(trace: Path) -> dict:
     """A trace's GPU kernels: span (first start to last end), busy (any kernel running) and
     compute busy (any kernel but communication) in ms, ms and count per kind, the longest
-    idle gaps (`idle_gaps`); and `traced_ms`, the profiled block's length (its first
-    event's start to its last's end)."""
+    idle gaps (`idle_gaps`), `exposed_ms` (per collective, e.g. SendRecv or AllReduce: the
+    time its kernels ran while no compute kernel did); and `traced_ms`, the profiled
+    block's length (its first event's start to its last's end)."""
     events = [e for e in json.loads(Path(trace).read_text()).get("traceEvents", [])
               if e.get("ph") == "X" and "ts" in e]
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
     out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0,
-                 "compute_busy_ms": 0.0, "gaps": [],
+                 "compute_busy_ms": 0.0, "gaps": [], "exposed_ms": {},
                  "by_kind": {kind: {"ms": 0.0, "count": 0} for kind, _ in (*KINDS, ("other", ()))}}
     if not kernels:
         return out
     out["span_ms"] = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
     out["busy_ms"] = _union_us([(s, e) for s, e, _ in kernels]) / 1000
-    out["compute_busy_ms"] = _union_us([(s, e) for s, e, n in kernels if kernel_kind(n) != "communication"]) / 1000
+    compute = [(s, e) for s, e, n in kernels if kernel_kind(n) != "communication"]
+    out["compute_busy_ms"] = _union_us(compute) / 1000
+    by_collective: dict[str, list[tuple[float, float]]] = {}
+    for s, e, n in kernels:
+        if kernel_kind(n) == "communication":
+            by_collective.setdefault(collective(n), []).append((s, e))
+    for name, spans in by_collective.items():
+        out["exposed_ms"][name] = (_union_us(spans + compute) - _union_us(compute)) / 1000
     for start, end, name in kernels:
         kind = out["by_kind"][kernel_kind(name)]
         kind["ms"] += (end - start) / 1000

@@ -19,7 +19,7 @@ from raypar import host_wait
 from raypar.config import Config
 from raypar.data import TokenDataset
 from raypar.kernels import sample_seeds
-from raypar.model import build_stage
+from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
@@ -121,8 +121,8 @@ class StageRuntime:
         if cfg.model.init_from and init_weights:
             from raypar.hf import load_hf_weights
 
-            names = [n for n, _ in self.model.named_parameters()]  # this stage's and ep rank's share
-            self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model, names=names), strict=True)
+            names = [n for n, _ in unstacked(self.model)]  # this stage's and ep rank's share
+            load_unstacked(self.model, load_hf_weights(cfg.model.init_from, cfg.model, names=names))
         self.model.train()
         self.recompute = cfg.runtime.recompute
         self.model.recompute = self.recompute == "block"
@@ -501,4 +501,4 @@ class StageRuntime:
         return self.optimizer.load_(tensors)
 
     def parameters_cpu(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+        return {n: t.detach().float().cpu().clone() for n, t in unstacked(self.model)}

@@ -27,11 +27,21 @@ def writes(coord: Coord, name: str) -> bool:
     return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name))
 
 
-def _written(optimizer: MasterOptimizer, coord: Coord | None):
-    """(name, parameter, fp32 master) of each parameter this worker writes (all when coord is None)."""
+def _pieces(optimizer: MasterOptimizer):
+    """(checkpoint name, parameter, fp32 master, AdamW state) of each tensor a checkpoint
+    names, as views: a stacked expert parameter is one piece per expert."""
     for (name, param), master in zip(optimizer.named_params, optimizer.master):
-        if coord is None or writes(coord, name):
-            yield name, param, master
+        state = optimizer.optimizer.state.get(master, {})
+        for key, index in optimizer.slices[name]:
+            # The step count is one scalar per parameter, shared by its experts.
+            yield key, param[index], master[index], {k: v if v.ndim == 0 else v[index] for k, v in state.items()}
+
+
+def _written(optimizer: MasterOptimizer, coord: Coord | None):
+    """`_pieces` this worker writes (all when coord is None)."""
+    for piece in _pieces(optimizer):
+        if coord is None or writes(coord, piece[0]):
+            yield piece
 
 
 def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coord | None, rank: int,
@@ -39,12 +49,11 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
                   with_rng: bool = True) -> dict[str, torch.Tensor]:
     """This worker's share of the state (all it holds when coord is None), as live tensors."""
     out: dict[str, torch.Tensor] = {}
-    for name, param, master in _written(optimizer, coord):
+    for name, param, master, state in _written(optimizer, coord):
         out[name] = param.detach()
         if optimizer.mixed and save_master:
             out[f"master.{name}"] = master.detach()
         if save_optimizer:
-            state = optimizer.optimizer.state.get(master, {})
             for key in ADAM_STATE:
                 if key in state:
                     out[f"optim.{key}.{name}"] = state[key].detach().reshape(state[key].shape)
@@ -65,7 +74,7 @@ def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer
                  save_master: bool = True) -> Layout:
     """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), from
     the parameters alone: AdamW's moments are shaped like the masters."""
-    params = [(name, param.shape, param.dtype) for name, param, _ in _written(optimizer, coord)]
+    params = [(name, param.shape, param.dtype) for name, param, _, _ in _written(optimizer, coord)]
     return params_layout(params, optimizer.mixed, save_optimizer, save_master)
 
 
@@ -114,7 +123,8 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
     """
     missing_optim, plan = [], []
-    for name, _ in optimizer.named_params:
+    pieces = list(_pieces(optimizer))
+    for name, _, _, _ in pieces:
         if name not in names:
             raise KeyError(name)
         plan.append(f"master.{name}" if optimizer.mixed and f"master.{name}" in names else name)
@@ -124,11 +134,10 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
             missing_optim.append(name)
     values = read_ahead(read, plan, threads)
     with torch.no_grad():
-        for (name, param), master in zip(optimizer.named_params, optimizer.master):
+        for name, param, master, state in pieces:
             master.copy_(next(values))
-            if master is not param:
+            if optimizer.mixed:
                 param.copy_(master)
-            state = optimizer.optimizer.state[master]
             if name in missing_optim:
                 for t in state.values():
                     t.zero_()  # AdamW starts fresh, on a live worker too

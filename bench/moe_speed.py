@@ -1,0 +1,104 @@
+"""MoE against dense in one call (issue 24): MFU by active parameters of
+`configs/moe-scale.yaml` at ep=2 against `configs/gpt-1b.yaml`, custom kernels on against
+off, and how much of an MoE step the all-to-all leaves exposed.
+
+    python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10]
+
+Every launch is its own process (a fresh Ray, fresh workers): one round is a dense launch
+and two MoE launches, kernels on and off, whose order alternates between rounds. Each MoE
+launch profiles one step on every worker (`runtime.profile_step`) and reads the traces
+back: the exposed all-to-all is the time its kernels (NCCL send/receive; pp=1, so no
+pipeline transfers share that name) run while no compute kernel does, as a share of the
+worker's step on the device. Writes DIR/moe_speed.json and DIR/moe_speed.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MOE = ["parallel.pp=1", "parallel.ep=2", "train.global_batch_size=32"]
+PROFILED_STEP = 6
+
+
+def launch(kind: str, steps: int, work: Path) -> dict:
+    """One training run in this process; returns its figures."""
+    from raypar import Trainer, load_config
+    from raypar.runtime.profile import device_time
+
+    run_dir = work / kind
+    common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
+    if kind == "dense":
+        cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"), common)
+    else:
+        kernels = "true" if kind == "moe-kernels-on" else "false"
+        cfg = load_config(str(ROOT / "configs" / "moe-scale.yaml"),
+                          [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.profile_step={PROFILED_STEP}"])
+    s = Trainer(cfg, log=lambda m: None).fit()
+    # The profiled step and the one after it run slower (the profiler's own work): leave both out.
+    steady = [r for r in s.records[1:] if r.step not in (PROFILED_STEP, PROFILED_STEP + 1)]
+    step_s = statistics.median(r.step_time_s for r in steady)
+    out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
+           "step_ms": step_s * 1000, "steps_ms": [round(r.step_time_s * 1000) for r in s.records],
+           "mfu": statistics.median(r.mfu for r in steady), "alltoall_host_ms": s.alltoall_s_per_step * 1000}
+    traces = sorted((run_dir / "profile").glob(f"rank*-step{PROFILED_STEP}.json"))
+    if traces:
+        workers = [device_time(t) for t in traces]
+        out["workers"] = [{"span_ms": w["span_ms"], "busy_ms": w["busy_ms"], "compute_busy_ms": w["compute_busy_ms"],
+                           "exposed_ms": w["exposed_ms"],
+                           "by_kind": {k: round(v["ms"], 1) for k, v in w["by_kind"].items()}} for w in workers]
+        out["exposed_alltoall_share"] = max(w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"] for w in workers)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/moe-speed"))
+    ap.add_argument("--launch", help=argparse.SUPPRESS)  # internal: run one launch, print its JSON
+    args = ap.parse_args()
+    if args.launch:
+        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work)), flush=True)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for r in range(args.rounds):
+        moe = ["moe-kernels-on", "moe-kernels-off"] if r % 2 == 0 else ["moe-kernels-off", "moe-kernels-on"]
+        for kind in ["dense", *moe]:
+            proc = subprocess.run([sys.executable, "-m", "bench.moe_speed", "--out", str(args.out), "--launch", kind,
+                                   "--steps", str(args.steps), "--work", str(args.work / f"round{r}")],
+                                  cwd=ROOT, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("LAUNCH ")), None)
+            if line is None:
+                print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+                raise SystemExit(f"launch {kind} of round {r} failed (exit {proc.returncode})")
+            res = {"round": r, **json.loads(line[len("LAUNCH "):])}
+            results.append(res)
+            print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
+                  f"MFU {res['mfu']:.3f}, exposed all-to-all {res.get('exposed_alltoall_share', 0):.1%}", flush=True)
+    (args.out / "moe_speed.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "moe_speed.md").write_text(table(results))
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| round | dense MFU | MoE MFU, kernels on / off | MoE / dense MFU (on, off) | kernels on / off, tokens/s | "
+             "exposed all-to-all (on, off) |", "|---|---|---|---|---|---|"]
+    for r in sorted({x["round"] for x in results}):
+        got = {x["kind"]: x for x in results if x["round"] == r}
+        d, on, off = got["dense"], got["moe-kernels-on"], got["moe-kernels-off"]
+        lines.append(f"| {r + 1} | {d['mfu']:.3f} | {on['mfu']:.3f} / {off['mfu']:.3f} | "
+                     f"{on['mfu'] / d['mfu']:.2f}, {off['mfu'] / d['mfu']:.2f} | "
+                     f"{on['tokens_per_s']:,.0f} / {off['tokens_per_s']:,.0f} = {on['tokens_per_s'] / off['tokens_per_s']:.3f} | "
+                     f"{on.get('exposed_alltoall_share', 0):.1%}, {off.get('exposed_alltoall_share', 0):.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
