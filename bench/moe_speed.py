@@ -1,11 +1,13 @@
 """MoE against dense in one call (issue 24): MFU by active parameters of
 `configs/moe-scale.yaml` at ep=2 against `configs/gpt-1b.yaml`, custom kernels on against
-off, and how much of an MoE step the all-to-all leaves exposed.
+off, padded all-to-alls (no host wait) against exact split sizes, and how much of an MoE
+step the all-to-all leaves exposed.
 
     python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10]
 
 Every launch is its own process (a fresh Ray, fresh workers): one round is a dense launch
-and two MoE launches, kernels on and off, whose order alternates between rounds. Each MoE
+and three MoE launches (kernels on, kernels off, exact split sizes with kernels on), whose
+order reverses between rounds. Each MoE
 launch profiles one step on every worker (`runtime.profile_step`) and reads the traces
 back: the exposed all-to-all is the time its kernels (NCCL send/receive; pp=1, so no
 pipeline transfers share that name) run while no compute kernel does, as a share of the
@@ -35,9 +37,11 @@ def launch(kind: str, steps: int, work: Path) -> dict:
     if kind == "dense":
         cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"), common)
     else:
-        kernels = "true" if kind == "moe-kernels-on" else "false"
+        kernels = "false" if kind == "moe-kernels-off" else "true"
+        alltoall = "exact" if kind == "moe-exact" else "padded"
         cfg = load_config(str(ROOT / "configs" / "moe-scale.yaml"),
-                          [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.profile_step={PROFILED_STEP}"])
+                          [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.moe_alltoall={alltoall}",
+                           f"runtime.profile_step={PROFILED_STEP}"])
     s = Trainer(cfg, log=lambda m: None).fit()
     # The profiled step and the one after it run slower (the profiler's own work): leave both out.
     steady = [r for r in s.records[1:] if r.step not in (PROFILED_STEP, PROFILED_STEP + 1)]
@@ -69,7 +73,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for r in range(args.rounds):
-        moe = ["moe-kernels-on", "moe-kernels-off"] if r % 2 == 0 else ["moe-kernels-off", "moe-kernels-on"]
+        moe = ["moe-kernels-on", "moe-kernels-off", "moe-exact"]
+        moe = moe if r % 2 == 0 else moe[::-1]
         for kind in ["dense", *moe]:
             proc = subprocess.run([sys.executable, "-m", "bench.moe_speed", "--out", str(args.out), "--launch", kind,
                                    "--steps", str(args.steps), "--work", str(args.work / f"round{r}")],
@@ -88,15 +93,16 @@ def main() -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| round | dense MFU | MoE MFU, kernels on / off | MoE / dense MFU (on, off) | kernels on / off, tokens/s | "
-             "exposed all-to-all (on, off) |", "|---|---|---|---|---|---|"]
+    lines = ["| round | dense MFU | MoE MFU: kernels on / off / exact sizes | MoE / dense MFU (on) | "
+             "kernels on / off, tokens/s | padded / exact, tokens/s | exposed all-to-all (on, off, exact) |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted({x["round"] for x in results}):
         got = {x["kind"]: x for x in results if x["round"] == r}
-        d, on, off = got["dense"], got["moe-kernels-on"], got["moe-kernels-off"]
-        lines.append(f"| {r + 1} | {d['mfu']:.3f} | {on['mfu']:.3f} / {off['mfu']:.3f} | "
-                     f"{on['mfu'] / d['mfu']:.2f}, {off['mfu'] / d['mfu']:.2f} | "
-                     f"{on['tokens_per_s']:,.0f} / {off['tokens_per_s']:,.0f} = {on['tokens_per_s'] / off['tokens_per_s']:.3f} | "
-                     f"{on.get('exposed_alltoall_share', 0):.1%}, {off.get('exposed_alltoall_share', 0):.1%} |")
+        d, on, off, exact = got["dense"], got["moe-kernels-on"], got["moe-kernels-off"], got["moe-exact"]
+        exposed = ", ".join(f"{x.get('exposed_alltoall_share', 0):.1%}" for x in (on, off, exact))
+        lines.append(f"| {r + 1} | {d['mfu']:.3f} | {on['mfu']:.3f} / {off['mfu']:.3f} / {exact['mfu']:.3f} | "
+                     f"{on['mfu'] / d['mfu']:.2f} | {on['tokens_per_s'] / off['tokens_per_s']:.3f} | "
+                     f"{on['tokens_per_s'] / exact['tokens_per_s']:.3f} | {exposed} |")
     return "\n".join(lines) + "\n"
 
 

@@ -127,22 +127,24 @@ class Unpermute(torch.autograd.Function):
 
 
 def permute(x: Tensor, token: Tensor, slots: Tensor) -> Tensor:
-    """Rows of x [n, d] in slot order: x[token]. Kernel on CUDA, torch elsewhere."""
-    if _kernel_reason(x) is not None:
-        _say_fallback(x)
-        return x[token]
+    """Rows of x [n, d] in slot order: x[token]. Kernel on CUDA, torch elsewhere.
+
+    The gradient of x reads only the rows `slots` names: rows no slot names (padding) may
+    carry any gradient, undefined values included, without reaching x.
+    """
+    _say_fallback(x)
     return Permute.apply(x, token, slots)
 
 
 def unpermute(y: Tensor, weight: Tensor, token: Tensor, slots: Tensor) -> Tensor:
-    """[n, d]: each token's kept slots of y summed with their fp32 router weights."""
-    if _kernel_reason(y) is not None:
-        _say_fallback(y)
-        out = torch.zeros((slots.shape[0], y.shape[1]), dtype=_acc(y.dtype), device=y.device)
-        return out.index_add(0, token, y.to(out.dtype) * weight.unsqueeze(1)).to(y.dtype)
+    """[n, d]: each token's kept slots of y summed with their fp32 router weights.
+
+    Reads only the rows of y that `slots` names; a row no slot names needs weight 0.
+    """
+    _say_fallback(y)
     return Unpermute.apply(y, weight, token, slots)
 
 
 def _say_fallback(x: Tensor) -> None:
-    if x.is_cuda:  # on CPU the reference is the plan, not a fallback
+    if x.is_cuda and _kernel_reason(x) is not None:  # on CPU the reference is the plan, not a fallback
         loader.say_once("moe_permute", f"MoE permute/unpermute run in torch: {_kernel_reason(x)}")

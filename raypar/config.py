@@ -137,6 +137,12 @@ class RuntimeConfig:
     # CUDA kernels (kernels/, CuPy) on GPU workers; false runs the torch reference of every
     # kernel, for debugging. CPU runs always use the references.
     kernels: bool = True
+    # How MoE layers with parallel.ep > 1 size their all-to-alls. "padded": every rank sends
+    # each peer a buffer of all its (token, choice) rows, filled as far as routing needs, so
+    # no layer waits for the host to read split sizes (costs ep x the routed bytes and
+    # expert buffers sized for the worst case). "exact": the host reads the split sizes
+    # once per layer and sends only routed rows.
+    moe_alltoall: Literal["padded", "exact"] = "padded"
 
 
 @dataclass

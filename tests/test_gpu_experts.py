@@ -75,3 +75,19 @@ def test_bf16_moe_layer_with_grouped_mm_matches_a_loop_over_experts(monkeypatch,
     grouped = _loss_and_grads(cfg, "cuda")
     monkeypatch.setattr(experts_module, "_aligned", lambda x, w: False)
     _assert_close(grouped, _loss_and_grads(cfg, "cuda"), 3e-2)
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0])
+def test_a_moe_model_step_never_waits_for_the_device(capacity):
+    """No host wait in a bf16 MoE model's forward and backward (ep=1): every size is
+    known on the host; torch raises on any synchronising call in "error" mode."""
+    cfg = _moe_cfg(capacity, "bfloat16")
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    model = build_stage(cfg.model, 0, 1, seed=0, device=torch.device("cuda"))
+    model(tokens, tokens).backward()  # warm-up: lazy initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(tokens, tokens).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

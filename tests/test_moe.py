@@ -21,11 +21,11 @@ RTOL = 1e-5  # between two Trainer runs; runs against the reference use tests/to
 ADAM_EPS = 1e-6
 
 
-def moe_config(tmp_path, grid, top_k, **model):
+def moe_config(tmp_path, grid, top_k, alltoall="padded", **model):
     dp, pp, ep = grid
     return tiny_config(tmp_path, model={**MOE, "moe_top_k": top_k, **model},
                        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 1},
-                       train={"global_batch_size": 16, "eps": ADAM_EPS})
+                       train={"global_batch_size": 16, "eps": ADAM_EPS}, runtime={"moe_alltoall": alltoall})
 
 
 def run_against_reference(cfg, tmp_path, plan, setup=None):
@@ -57,8 +57,15 @@ def test_expert_parallel_matches_single_process(ray_session, tmp_path, grid, top
     run_against_reference(moe_config(tmp_path, grid, top_k), tmp_path, PLAN)
 
 
-def test_zero_tokens_for_some_experts_and_a_whole_ep_rank(ray_session, tmp_path):
-    cfg = moe_config(tmp_path, (1, 1, 2), top_k=1)
+@pytest.mark.parametrize("grid", [(1, 2, 2), (2, 1, 2)], ids=lambda g: "x".join(map(str, g)))
+def test_exact_split_sizes_match_single_process(ray_session, tmp_path, grid):
+    """runtime.moe_alltoall=exact: the host reads the split sizes and sends routed rows only."""
+    run_against_reference(moe_config(tmp_path, grid, 2, alltoall="exact"), tmp_path, PLAN[:3])
+
+
+@pytest.mark.parametrize("alltoall", ["padded", "exact"])
+def test_zero_tokens_for_some_experts_and_a_whole_ep_rank(ray_session, tmp_path, alltoall):
+    cfg = moe_config(tmp_path, (1, 1, 2), top_k=1, alltoall=alltoall)
 
     def starve_rank_1(group, ref):
         # Router rows v, -v, 0, 0: every token prefers expert 0 or 1 (ep rank 0), so
@@ -76,8 +83,9 @@ def test_zero_tokens_for_some_experts_and_a_whole_ep_rank(ray_session, tmp_path)
         assert routed[2] == routed[3] == 0 and sum(routed) == cfg.train.global_batch_size * cfg.data.seq_len
 
 
-def test_capacity_drops_the_same_tokens_as_the_reference(ray_session, tmp_path):
-    cfg = moe_config(tmp_path, (1, 2, 2), top_k=2, moe_capacity_factor=1.0)
+@pytest.mark.parametrize("alltoall", ["padded", "exact"])
+def test_capacity_drops_the_same_tokens_as_the_reference(ray_session, tmp_path, alltoall):
+    cfg = moe_config(tmp_path, (1, 2, 2), top_k=2, alltoall=alltoall, moe_capacity_factor=1.0)
     history = run_against_reference(cfg, tmp_path, PLAN[:2])
     ref = history[0][2]
     ref_dropped = 0

@@ -36,7 +36,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(count, dim, hidden, dtype=dtype))
 
     def forward(self, rows: Tensor, ends: Tensor) -> Tensor:
-        """rows [r, dim] grouped by expert; ends int32 [count], cumulative, ends[-1] == r."""
+        """rows [r, dim] grouped by expert; ends int32 [count], cumulative. Rows past
+        ends[-1] are not computed: their outputs are undefined and must not be read."""
         gate, up = grouped_linear(rows, self.w13, ends).chunk(2, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.w2, ends)
 
@@ -99,22 +100,24 @@ def grouped_layout(group: Tensor, counts: Tensor, align: int) -> tuple[Tensor, T
     """
     r, g = group.numel(), counts.numel()
     if align == 1:
-        ends = counts.cumsum(0)
-        ends[-1] = r
-        return torch.arange(r, device=group.device), ends.to(torch.int32), r
+        return torch.arange(r, device=group.device), _last_is(counts.cumsum(0), r), r
     # One extra group holds the trailing rows; every group grows by at most align - 1.
     counts = torch.cat([counts, (r - counts.sum()).reshape(1)])
     padded = (counts + align - 1) // align * align
     shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
     position = torch.arange(r, device=group.device) + shift[group.clamp(max=g)]
     total = r + (g + 1) * (align - 1)
-    ends = padded.cumsum(0)[:g]
-    ends[-1] = total
-    return position, ends.to(torch.int32), total
+    return position, _last_is(padded.cumsum(0)[:g], total), total
+
+
+def _last_is(ends: Tensor, value: int) -> Tensor:
+    # Not ends[-1] = value: setting one element from the host is a synchronous copy.
+    return torch.cat([ends[:-1], ends.new_full((1,), value)]).to(torch.int32)
 
 
 def grouped_linear(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """Rows of group i times w[i].T: x [r, in] grouped, w [g, out, in], ends int32 [g]."""
+    """Rows of group i times w[i].T: x [r, in] grouped, w [g, out, in], ends int32 [g].
+    Rows past ends[-1] are not computed (their outputs are undefined)."""
     if x.shape[0] == 0:
         return x @ w[0].t()  # empty, but on the graph: an all-to-all's backward must still run
     if _aligned(x, w):
@@ -151,4 +154,7 @@ class _GroupedLinear(torch.autograd.Function):
 def _looped_linear(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     # Shapes no grouped kernel takes (or fp32 on a GPU): the host needs the ends.
     bounds = [0, *ends.tolist()]
-    return torch.cat([x[a:b] @ w[i].t() for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+    out = [x[a:b] @ w[i].t() for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    if bounds[-1] < x.shape[0]:  # rows past the last group, as grouped_mm leaves them
+        out.append(x.new_zeros((x.shape[0] - bounds[-1], w.shape[1])))
+    return torch.cat(out)

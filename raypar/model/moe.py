@@ -143,6 +143,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, ep_rank * self.local, self.local,
                                       dtype=dtype)
         self.ep_group = None  # set by the runtime when ep_size > 1
+        self.padded_alltoall = False  # set by the runtime (runtime.moe_alltoall)
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
         self.stats = MoEStats()
 
@@ -151,7 +152,7 @@ class MoE(nn.Module):
         n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
         weights, experts, keep, aux, z = route(logits, k, self.capacity_factor)
-        self.stats.add(torch.bincount(experts.flatten(), minlength=self.n_experts), (~keep).sum())
+        self.stats.add(_count(experts.flatten(), self.n_experts), (~keep).sum())
 
         # A slot is one (token, choice). Slots are sorted by expert, the ones the capacity
         # dropped after all others (as expert n_experts), so every size below is known on
@@ -160,7 +161,7 @@ class MoE(nn.Module):
         if self.capacity_factor > 0:
             expert = torch.where(keep.flatten(), expert, self.n_experts)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.n_experts + 1)[:self.n_experts]
+        counts = _count(expert, self.n_experts + 1)[:self.n_experts]
         weight = weights.flatten()
         if self.capacity_factor > 0:
             weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
@@ -172,6 +173,8 @@ class MoE(nn.Module):
             row_weight = weight.new_zeros(rows_n).index_copy(0, position, weight[order])
             rows = permute(x.reshape(b * t, d), token, slots)
             out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
+        elif self.padded_alltoall:
+            out = self._exchange_padded(x.reshape(b * t, d), expert[order], order, counts, weight, keep).reshape(b, t, d)
         else:
             out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z
@@ -206,6 +209,56 @@ class MoE(nn.Module):
         returned = _AllToAll.apply(back(out_local), recv, send, group, self.stats)
         return unpermute(returned, weight[order[:kept]], token[:kept], slots)
 
+    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor, weight: Tensor,
+                         keep: Tensor) -> Tensor:
+        """`_exchange_and_run` without a host wait: each rank sends every peer n rows (n, its
+        slot count, bounds what routing can send one rank), the routed ones first; rows past
+        them are padding that no slot reads. The receiver finds its rows' experts from the
+        exchanged counts on the device, and runs only the routed rows."""
+        group, ep, local, k = self.ep_group, self.ep_size, self.local, self.top_k
+        n, dev = order.numel(), x.device
+        t0 = time.perf_counter()
+        send_counts = counts.reshape(ep, local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+        self.stats.alltoall_s += time.perf_counter() - t0
+        # Sorted slot i goes to rank r = its expert // local, row i - (r's first slot) of block r;
+        # dropped slots (expert n_experts) to a spare row past the blocks.
+        per_rank = send_counts.sum(dim=1)
+        rank = (sorted_expert // local).clamp(max=ep)
+        first = torch.cat([per_rank.cumsum(0) - per_rank, per_rank.new_zeros(1)])
+        sent_row = torch.where(rank < ep, rank * n + torch.arange(n, device=dev) - first[rank], ep * n)
+        slots = _slots(order, sent_row, keep, n)
+        token = x.new_zeros(ep * n + 1, dtype=torch.int64).index_copy_(0, sent_row, order // k)[:-1]
+        row_weight = weight.new_zeros(ep * n + 1).index_copy(0, sent_row, weight[order])[:-1]
+        rows = permute(x, token, slots)
+        splits = [n] * ep
+        received = _AllToAll.apply(rows, splits, splits, group, self.stats)
+        out_local, back = self._run_padded(received, recv_counts, n)
+        returned = _AllToAll.apply(back(out_local), splits, splits, group, self.stats)
+        return unpermute(returned, row_weight, token, slots)
+
+    def _run_padded(self, received: Tensor, recv_counts: Tensor, n: int):
+        """`_run_received` for `_exchange_padded`'s blocks of n rows per source rank."""
+        ep, local, dev = self.ep_size, self.local, received.device
+        r = ep * n
+        j = torch.arange(n, device=dev).repeat(ep)  # row within its source's block
+        source_rank = torch.arange(ep, device=dev).repeat_interleave(n)
+        ends_in_block = recv_counts.cumsum(dim=1)  # [ep, local]
+        expert = torch.searchsorted(ends_in_block, j.view(ep, n), right=True).flatten()  # local: padding
+        routed = expert < local
+        e = expert.clamp(max=local - 1)
+        align = group_alignment(received)
+        per_expert = recv_counts.sum(dim=0)
+        padded = (per_expert + align - 1) // align * align
+        group_start = padded.cumsum(0) - padded
+        before_source = recv_counts.cumsum(dim=0) - recv_counts  # rows of e from lower ranks
+        in_block_start = ends_in_block - recv_counts
+        position = group_start[e] + before_source[source_rank, e] + j - in_block_start[source_rank, e]
+        # Padding rows go after every group, where no GEMM reads them.
+        position = torch.where(routed, position, padded.sum() + (~routed).cumsum(0) - 1)
+        return self._run_at(received, position, padded.cumsum(0).to(torch.int32), r + local * (align - 1))
+
     def _run_received(self, received: Tensor, recv_counts: Tensor, r: int):
         """Run the experts on rows grouped by source rank, then local expert; returns their
         output (grouped by expert) and the function that puts it back in received order."""
@@ -217,13 +270,25 @@ class MoE(nn.Module):
         align = group_alignment(received) if r else 1  # padding rows copy row 0: there must be one
         position, ends, rows_n = grouped_layout(expert_of_row[by_expert], recv_counts.sum(dim=0), align)
         row_of = torch.empty_like(position).index_copy_(0, by_expert, position)  # received row -> expert row
-        source = torch.zeros(rows_n, dtype=torch.int64, device=received.device).index_copy_(
-            0, row_of, torch.arange(r, device=received.device))
+        return self._run_at(received, row_of, ends, rows_n)
+
+    def _run_at(self, received: Tensor, row_of: Tensor, ends: Tensor, rows_n: int):
+        """Run the experts on `received` rows placed at rows `row_of` of an [rows_n, dim]
+        input grouped by `ends`; returns the output and the function that reads it back in
+        received order. Input rows no received row fills copy row 0 and are never read back."""
+        ids = torch.arange(received.shape[0], device=received.device)
+        source = torch.zeros(rows_n, dtype=torch.int64, device=received.device).index_copy_(0, row_of, ids)
         back_slots = torch.full((rows_n, 1), -1, dtype=torch.int64, device=received.device).index_copy_(
-            0, row_of, torch.arange(r, device=received.device).unsqueeze(1))
+            0, row_of, ids.unsqueeze(1))
         # A permutation is a permute whose every token has one slot: its inverse.
         out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
         return out_local, lambda y: permute(y, row_of, back_slots)
+
+
+def _count(ids: Tensor, n: int) -> Tensor:
+    """How often each of 0 .. n-1 occurs in `ids`. Not torch.bincount: on a GPU it reads the
+    largest id on the host to size its output, a wait per call."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def _slots(order: Tensor, position: Tensor, keep: Tensor, n: int) -> Tensor:

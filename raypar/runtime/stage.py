@@ -118,6 +118,7 @@ class StageRuntime:
         self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
+            moe.padded_alltoall = cfg.runtime.moe_alltoall == "padded"
         if cfg.model.init_from and init_weights:
             from raypar.hf import load_hf_weights
 
