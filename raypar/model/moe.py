@@ -152,19 +152,19 @@ class MoE(nn.Module):
         n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
         weights, experts, keep, aux, z = route(logits, k, self.capacity_factor)
-        self.stats.add(_count(experts.flatten(), self.n_experts), (~keep).sum())
+        expert, weight = experts.flatten(), weights.flatten()
+        routed = _count(expert, self.n_experts)
+        self.stats.add(routed, (~keep).sum())
 
         # A slot is one (token, choice). Slots are sorted by expert, the ones the capacity
         # dropped after all others (as expert n_experts), so every size below is known on
         # the host without reading the device.
-        expert = experts.flatten()
+        counts = routed
         if self.capacity_factor > 0:
             expert = torch.where(keep.flatten(), expert, self.n_experts)
-        order = torch.argsort(expert, stable=True)
-        counts = _count(expert, self.n_experts + 1)[:self.n_experts]
-        weight = weights.flatten()
-        if self.capacity_factor > 0:
             weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
+            counts = _count(expert, self.n_experts + 1)[:self.n_experts]
+        order = torch.argsort(expert, stable=True)
         if self.ep_size == 1:
             # slots[token, j]: the row of token's j-th choice, -1 when dropped.
             position, ends, rows_n = grouped_layout(expert[order], counts, group_alignment(x))
@@ -185,17 +185,12 @@ class MoE(nn.Module):
     def _exchange_and_run(self, x: Tensor, order: Tensor, counts: Tensor, weight: Tensor, keep: Tensor) -> Tensor:
         """Send each kept slot's row to its expert's rank, run the experts there, send the
         results back and sum them per token."""
-        group, ep, local, k = self.ep_group, self.ep_size, self.local, self.top_k
+        group, ep, k = self.ep_group, self.ep_size, self.top_k
         n = order.numel()
-        # Counts first: how many rows each rank will send to each of my experts. The host
-        # needs the rows to send to and receive from each rank (one wait per layer), and
-        # reads them after the rows are gathered, so that work is queued meanwhile.
-        t0 = time.perf_counter()
-        send_counts = counts.reshape(ep, local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+        # The host needs the rows to send to and receive from each rank (one wait per
+        # layer), and reads them after the rows are gathered, so that work is queued meanwhile.
+        send_counts, recv_counts = self._exchange_counts(counts)
         sizes = host_wait.HostCopy(torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1)]))
-        self.stats.alltoall_s += time.perf_counter() - t0
         slots = _slots(order, torch.arange(n, device=x.device), keep, n)
         token = order // k
         rows = permute(x, token, slots)
@@ -209,6 +204,16 @@ class MoE(nn.Module):
         returned = _AllToAll.apply(back(out_local), recv, send, group, self.stats)
         return unpermute(returned, weight[order[:kept]], token[:kept], slots)
 
+    def _exchange_counts(self, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """[ep, local] rows this rank sends to each rank's experts, and receives from each
+        rank for its own experts."""
+        t0 = time.perf_counter()
+        send_counts = counts.reshape(self.ep_size, self.local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        self.stats.alltoall_s += time.perf_counter() - t0
+        return send_counts, recv_counts
+
     def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor, weight: Tensor,
                          keep: Tensor) -> Tensor:
         """`_exchange_and_run` without a host wait: each rank sends every peer n rows (n, its
@@ -217,11 +222,7 @@ class MoE(nn.Module):
         exchanged counts on the device, and runs only the routed rows."""
         group, ep, local, k = self.ep_group, self.ep_size, self.local, self.top_k
         n, dev = order.numel(), x.device
-        t0 = time.perf_counter()
-        send_counts = counts.reshape(ep, local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        self.stats.alltoall_s += time.perf_counter() - t0
+        send_counts, recv_counts = self._exchange_counts(counts)
         # Sorted slot i goes to rank r = its expert // local, row i - (r's first slot) of block r;
         # dropped slots (expert n_experts) to a spare row past the blocks.
         per_rank = send_counts.sum(dim=1)
