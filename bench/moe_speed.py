@@ -3,11 +3,15 @@
 off, padded all-to-alls (no host wait) against exact split sizes, and how much of an MoE
 step the all-to-all leaves exposed.
 
-    python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10]
+    python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10] [--baseline TREE]
+        [--kinds dense,moe-kernels-on,...] [--variant LABEL=KEY=VALUE[,KEY=VALUE]]...
 
 Every launch is its own process (a fresh Ray, fresh workers): one round is a dense launch
 and three MoE launches (kernels on, kernels off, exact split sizes with kernels on), whose
-order reverses between rounds. Each MoE
+order reverses between rounds. With `--baseline TREE` each round also launches the kernels-on
+MoE run from another checkout of the project (e.g. `git worktree add TREE <commit>`), for a
+before/after ratio in the same call; each `--variant` adds a kernels-on MoE launch with its
+config overrides (e.g. `mb4=parallel.microbatches=4`). Each MoE
 launch profiles one step on every worker (`runtime.profile_step`) and reads the traces
 back: the exposed all-to-all is the time its kernels (NCCL send/receive; pp=1, so no
 pipeline transfers share that name) run while no compute kernel does, as a share of the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,10 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = ["parallel.pp=1", "parallel.ep=2", "train.global_batch_size=32"]
+KINDS = ["dense", "moe-kernels-on", "moe-kernels-off", "moe-exact"]
 PROFILED_STEP = 6
 
 
-def launch(kind: str, steps: int, work: Path) -> dict:
+def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
     from raypar.runtime.profile import device_time
@@ -41,7 +47,7 @@ def launch(kind: str, steps: int, work: Path) -> dict:
         alltoall = "exact" if kind == "moe-exact" else "padded"
         cfg = load_config(str(ROOT / "configs" / "moe-scale.yaml"),
                           [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.moe_alltoall={alltoall}",
-                           f"runtime.profile_step={PROFILED_STEP}"])
+                           f"runtime.profile_step={PROFILED_STEP}", *overrides])
     s = Trainer(cfg, log=lambda m: None).fit()
     # The profiled step and the one after it run slower (the profiler's own work): leave both out.
     steady = [r for r in s.records[1:] if r.step not in (PROFILED_STEP, PROFILED_STEP + 1)]
@@ -65,25 +71,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--work", type=Path, default=Path("/tmp/moe-speed"))
+    ap.add_argument("--baseline", type=Path, help="another checkout whose kernels-on MoE run each round also launches")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"which of {','.join(KINDS)} each round launches")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
+                    help="also launch the kernels-on MoE run with these config overrides each round")
     ap.add_argument("--launch", help=argparse.SUPPRESS)  # internal: run one launch, print its JSON
+    ap.add_argument("--overrides", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.launch:
-        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work)), flush=True)
+        overrides = [o for o in args.overrides.split(",") if o]
+        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, overrides)), flush=True)
         return
+    variants = dict(v.split("=", 1) for v in args.variant)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for r in range(args.rounds):
-        moe = ["moe-kernels-on", "moe-kernels-off", "moe-exact"]
+        kinds = [k for k in args.kinds.split(",") if k]
+        moe = [k for k in kinds if k != "dense"] + (["moe-baseline"] if args.baseline else []) + list(variants)
         moe = moe if r % 2 == 0 else moe[::-1]
-        for kind in ["dense", *moe]:
-            proc = subprocess.run([sys.executable, "-m", "bench.moe_speed", "--out", str(args.out), "--launch", kind,
-                                   "--steps", str(args.steps), "--work", str(args.work / f"round{r}")],
-                                  cwd=ROOT, capture_output=True, text=True)
+        for kind in ["dense", *moe] if "dense" in kinds else moe:
+            tree = args.baseline.resolve() if kind == "moe-baseline" else ROOT
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+            proc = subprocess.run([sys.executable, "-m", "bench.moe_speed", "--out", str(args.out),
+                                   "--launch", "moe-kernels-on" if kind == "moe-baseline" or kind in variants else kind,
+                                   *(["--overrides", variants[kind]] if kind in variants else []),
+                                   "--steps", str(args.steps), "--work", str(args.work / f"round{r}" / kind)],
+                                  cwd=tree, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("LAUNCH ")), None)
             if line is None:
                 print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
                 raise SystemExit(f"launch {kind} of round {r} failed (exit {proc.returncode})")
-            res = {"round": r, **json.loads(line[len("LAUNCH "):])}
+            res = {**json.loads(line[len("LAUNCH "):]), "round": r, "kind": kind}
             results.append(res)
             print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
                   f"MFU {res['mfu']:.3f}, exposed all-to-all {res.get('exposed_alltoall_share', 0):.1%}", flush=True)
@@ -93,17 +111,27 @@ def main() -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| round | dense MFU | MoE MFU: kernels on / off / exact sizes | MoE / dense MFU (on) | "
-             "kernels on / off, tokens/s | padded / exact, tokens/s | exposed all-to-all (on, off, exact) |",
-             "|---|---|---|---|---|---|---|"]
+    """Each launch's figures, then the ratios of launches of the same round."""
+    lines = ["| round | run | tokens/s | step (ms) | MFU | MFU / dense | exposed all-to-all |", "|---|---|---|---|---|---|---|"]
+    ratios = []
     for r in sorted({x["round"] for x in results}):
         got = {x["kind"]: x for x in results if x["round"] == r}
-        d, on, off, exact = got["dense"], got["moe-kernels-on"], got["moe-kernels-off"], got["moe-exact"]
-        exposed = ", ".join(f"{x.get('exposed_alltoall_share', 0):.1%}" for x in (on, off, exact))
-        lines.append(f"| {r + 1} | {d['mfu']:.3f} | {on['mfu']:.3f} / {off['mfu']:.3f} / {exact['mfu']:.3f} | "
-                     f"{on['mfu'] / d['mfu']:.2f} | {on['tokens_per_s'] / off['tokens_per_s']:.3f} | "
-                     f"{on['tokens_per_s'] / exact['tokens_per_s']:.3f} | {exposed} |")
-    return "\n".join(lines) + "\n"
+        dense = got.get("dense")
+        for kind, x in got.items():
+            rel = f"{x['mfu'] / dense['mfu']:.2f}" if dense and kind != "dense" else ""
+            exposed = f"{x['exposed_alltoall_share']:.1%}" if "exposed_alltoall_share" in x else ""
+            lines.append(f"| {r + 1} | {kind} | {x['tokens_per_s']:,.0f} | {x['step_ms']:.0f} | {x['mfu']:.3f} | {rel} | "
+                         f"{exposed} |")
+        on = got.get("moe-kernels-on")
+        for label, other in [("kernels on / off", "moe-kernels-off"), ("padded / exact sizes", "moe-exact"),
+                             ("this tree / baseline", "moe-baseline")]:
+            if on and other in got:
+                ratios.append(f"- round {r + 1}, {label}: {on['tokens_per_s'] / got[other]['tokens_per_s']:.3f} (tokens/s)")
+        for kind in got:
+            if on and kind not in KINDS and kind != "moe-baseline":
+                ratios.append(f"- round {r + 1}, {kind} / kernels on: "
+                              f"{got[kind]['tokens_per_s'] / on['tokens_per_s']:.3f} (tokens/s)")
+    return "\n".join(lines + [""] + ratios) + "\n"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from raypar.kernels.loader import set_enabled, unavailable_reason
 from raypar.kernels.moe_permute import permute, unpermute
 from raypar.kernels.multi_tensor import copy_, ema_update_
 
-KERNELS = {"moe_permute": "moe_permute.cu", "dropout_add": "dropout_add.cu", "multi_tensor": "multi_tensor.cu"}
+KERNELS = {"moe_permute": "moe_permute.cu", "moe_layout": "moe_layout.cu", "dropout_add": "dropout_add.cu",
+           "multi_tensor": "multi_tensor.cu"}
 
 
 def load_all() -> dict[str, str]:

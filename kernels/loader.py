@@ -66,7 +66,7 @@ def unavailable_reason(t: torch.Tensor | None = None, source: str | None = None)
         return "kernels are off (runtime.kernels=false)"
     if t is not None and not t.is_cuda:
         return f"tensors are on {t.device.type}, kernels need CUDA"
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         return "no CUDA device"
     _, reason = _cupy_or_reason()
     if reason is None and source is not None:
@@ -77,6 +77,12 @@ def unavailable_reason(t: torch.Tensor | None = None, source: str | None = None)
                 _broken[source] = f"{source} failed to compile: {type(e).__name__}: {e}"
         reason = _broken.get(source)
     return reason
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    # Asked before every launch; torch's check reads the environment each time (~20 us).
+    return torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,18 +102,14 @@ def module(source: str):
     return mod
 
 
-_streams: dict[int, object] = {}  # torch stream handle -> the CuPy object wrapping it
+_streams: dict[int, object] = {}  # torch's raw stream handle -> the CuPy object wrapping it
 
 
-def _external(cupy, stream: torch.cuda.Stream):
+def _external(cupy, handle: int, device: int):
     """torch's stream as a CuPy stream (made once per stream: launches are hot)."""
-    wrapped = _streams.get(stream.cuda_stream)
+    wrapped = _streams.get(handle)
     if wrapped is None:
-        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-            wrapped = cupy.cuda.Stream.from_external(stream)
-        else:
-            wrapped = cupy.cuda.ExternalStream(stream.cuda_stream)
-        _streams[stream.cuda_stream] = wrapped
+        wrapped = _streams[handle] = cupy.cuda.ExternalStream(handle, device)
     return wrapped
 
 
@@ -134,8 +136,9 @@ def launch(source: str, name: str, grid: int | tuple[int, ...], block: int, args
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     if min(grid) <= 0:
         return
-    stream = torch.cuda.current_stream()
-    device = stream.device.index
+    # The raw handle, not torch.cuda.current_stream(): that object costs ~40 us a launch.
+    device = torch.cuda.current_device()
+    handle = torch._C._cuda_getCurrentRawStream(device)
     fn = _functions.get((source, name, device))
     if fn is None:
         with cupy.cuda.Device(device):
@@ -144,12 +147,12 @@ def launch(source: str, name: str, grid: int | tuple[int, ...], block: int, args
         cupy.cuda.runtime.setDevice(device)
     # torch's stream stays CuPy's current stream of this thread: switching per launch costs
     # more than the small kernels run (nothing else in a worker launches through CuPy).
-    wrapped = _external(cupy, stream)
+    wrapped = _external(cupy, handle, device)
     if cupy.cuda.get_current_stream() is not wrapped:
         wrapped.use()
     fn(grid, (block,), tuple(_pointer(a, device) if isinstance(a, torch.Tensor) else a for a in args))
     if SYNC:
-        stream.synchronize()
+        torch.cuda.current_stream(device).synchronize()
 
 
 def dtype_suffix(dtype: torch.dtype) -> str | None:
@@ -157,7 +160,7 @@ def dtype_suffix(dtype: torch.dtype) -> str | None:
 
 
 def vector_width(dtype: torch.dtype) -> int:
-    return 16 // torch.tensor([], dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def check_contiguous(op: str, **tensors: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from raypar import host_wait
 from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
+from raypar.kernels.moe_layout import invert_rows, padded_recv_layout, padded_send_layout
 from raypar.model.experts import GroupedExperts, group_alignment, grouped_layout
 
 
@@ -51,12 +52,12 @@ class _AllToAll(torch.autograd.Function):
     """Rows to ranks by split sizes; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, stats: MoEStats) -> Tensor:
-        ctx.send, ctx.recv, ctx.group, ctx.stats = send, recv, group, stats
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, me: int, stats: MoEStats) -> Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.me, ctx.stats = send, recv, group, me, stats
         t0 = time.perf_counter()
         out = x.new_empty((sum(recv), x.shape[1]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        stats.alltoall_bytes += _remote_bytes(send, group, x)
+        stats.alltoall_bytes += _remote_bytes(send, me, x)
         stats.alltoall_s += time.perf_counter() - t0
         return out
 
@@ -65,13 +66,14 @@ class _AllToAll(torch.autograd.Function):
         t0 = time.perf_counter()
         out = g.new_empty((sum(ctx.send), g.shape[1]))
         dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        ctx.stats.alltoall_bytes += _remote_bytes(ctx.recv, ctx.group, g)
+        ctx.stats.alltoall_bytes += _remote_bytes(ctx.recv, ctx.me, g)
         ctx.stats.alltoall_s += time.perf_counter() - t0
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
-def _remote_bytes(splits: list[int], group, x: Tensor) -> int:
-    me = dist.get_rank(group)
+def _remote_bytes(splits: list[int], me: int, x: Tensor) -> int:
+    # `me` is the caller's rank in the group (its ep rank), not dist.get_rank(group): that
+    # lookup costs more host time than the all-to-all's launch.
     return (sum(splits) - splits[me]) * x.shape[1] * x.element_size()
 
 
@@ -94,11 +96,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         return g, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=g.device), None
 
 
-def route(logits: Tensor, top_k: int, capacity_factor: float):
+def route(logits: Tensor, top_k: int, capacity_factor: float, z_loss: bool = True):
     """Top-k routing for logits [b, t, E] (fp32).
 
     Returns weights [b, t, k], expert ids [b, t, k], keep mask [b, t, k], the
-    load-balancing loss and the z-loss. The capacity is per sample and expert,
+    load-balancing loss and the z-loss (0 without `z_loss`: logsumexp costs more host
+    time than the rest of the router). The capacity is per sample and expert,
     ceil(capacity_factor * t * k / E); first choices take precedence over second ones,
     earlier tokens over later ones.
     """
@@ -114,7 +117,7 @@ def route(logits: Tensor, top_k: int, capacity_factor: float):
     f = chosen.sum(dim=(1, 2)) / (t * top_k)
     p = probs.mean(dim=1)
     aux = n_experts * (f * p).sum(dim=-1).mean()
-    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean() if z_loss else logits.new_zeros(())
     if capacity_factor > 0:
         capacity = math.ceil(capacity_factor * t * top_k / n_experts)
         by_priority = chosen.transpose(1, 2).reshape(b, top_k * t, n_experts)  # slot-major
@@ -151,7 +154,7 @@ class MoE(nn.Module):
         b, t, d = x.shape
         n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
-        weights, experts, keep, aux, z = route(logits, k, self.capacity_factor)
+        weights, experts, keep, aux, z = route(logits, k, self.capacity_factor, z_loss=self.z_coef > 0)
         expert, weight = experts.flatten(), weights.flatten()
         routed = _count(expert, self.n_experts)
         self.stats.add(routed, (~keep).sum())
@@ -174,7 +177,7 @@ class MoE(nn.Module):
             rows = permute(x.reshape(b * t, d), token, slots)
             out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
         elif self.padded_alltoall:
-            out = self._exchange_padded(x.reshape(b * t, d), expert[order], order, counts, weight, keep).reshape(b, t, d)
+            out = self._exchange_padded(x.reshape(b * t, d), expert[order], order, counts, weight).reshape(b, t, d)
         else:
             out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z
@@ -199,9 +202,9 @@ class MoE(nn.Module):
         send, recv = sizes[:ep], sizes[ep:]
         self.stats.alltoall_s += time.perf_counter() - t0
         kept = sum(send)  # the dropped slots' rows sort after these and stay here
-        received = _AllToAll.apply(rows[:kept], send, recv, group, self.stats)
+        received = _AllToAll.apply(rows[:kept], send, recv, group, self.ep_rank, self.stats)
         out_local, back = self._run_received(received, recv_counts, sum(recv))
-        returned = _AllToAll.apply(back(out_local), recv, send, group, self.stats)
+        returned = _AllToAll.apply(back(out_local), recv, send, group, self.ep_rank, self.stats)
         return unpermute(returned, weight[order[:kept]], token[:kept], slots)
 
     def _exchange_counts(self, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,51 +217,22 @@ class MoE(nn.Module):
         self.stats.alltoall_s += time.perf_counter() - t0
         return send_counts, recv_counts
 
-    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor, weight: Tensor,
-                         keep: Tensor) -> Tensor:
+    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor, weight: Tensor) -> Tensor:
         """`_exchange_and_run` without a host wait: each rank sends every peer n rows (n, its
         slot count, bounds what routing can send one rank), the routed ones first; rows past
         them are padding that no slot reads. The receiver finds its rows' experts from the
         exchanged counts on the device, and runs only the routed rows."""
-        group, ep, local, k = self.ep_group, self.ep_size, self.local, self.top_k
-        n, dev = order.numel(), x.device
+        group, ep, n = self.ep_group, self.ep_size, order.numel()
         send_counts, recv_counts = self._exchange_counts(counts)
-        # Sorted slot i goes to rank r = its expert // local, row i - (r's first slot) of block r;
-        # dropped slots (expert n_experts) to a spare row past the blocks.
-        per_rank = send_counts.sum(dim=1)
-        rank = (sorted_expert // local).clamp(max=ep)
-        first = torch.cat([per_rank.cumsum(0) - per_rank, per_rank.new_zeros(1)])
-        sent_row = torch.where(rank < ep, rank * n + torch.arange(n, device=dev) - first[rank], ep * n)
-        slots = _slots(order, sent_row, keep, n)
-        token = x.new_zeros(ep * n + 1, dtype=torch.int64).index_copy_(0, sent_row, order // k)[:-1]
-        row_weight = weight.new_zeros(ep * n + 1).index_copy(0, sent_row, weight[order])[:-1]
+        slots, token, row_weight = padded_send_layout(sorted_expert, order, send_counts, weight, self.top_k)
         rows = permute(x, token, slots)
         splits = [n] * ep
-        received = _AllToAll.apply(rows, splits, splits, group, self.stats)
-        out_local, back = self._run_padded(received, recv_counts, n)
-        returned = _AllToAll.apply(back(out_local), splits, splits, group, self.stats)
+        received = _AllToAll.apply(rows, splits, splits, group, self.ep_rank, self.stats)
+        row_of, ends, source, back_slots, _ = padded_recv_layout(recv_counts, n, group_alignment(received))
+        out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
+        back = permute(out_local, row_of, back_slots)
+        returned = _AllToAll.apply(back, splits, splits, group, self.ep_rank, self.stats)
         return unpermute(returned, row_weight, token, slots)
-
-    def _run_padded(self, received: Tensor, recv_counts: Tensor, n: int):
-        """`_run_received` for `_exchange_padded`'s blocks of n rows per source rank."""
-        ep, local, dev = self.ep_size, self.local, received.device
-        r = ep * n
-        j = torch.arange(n, device=dev).repeat(ep)  # row within its source's block
-        source_rank = torch.arange(ep, device=dev).repeat_interleave(n)
-        ends_in_block = recv_counts.cumsum(dim=1)  # [ep, local]
-        expert = torch.searchsorted(ends_in_block, j.view(ep, n), right=True).flatten()  # local: padding
-        routed = expert < local
-        e = expert.clamp(max=local - 1)
-        align = group_alignment(received)
-        per_expert = recv_counts.sum(dim=0)
-        padded = (per_expert + align - 1) // align * align
-        group_start = padded.cumsum(0) - padded
-        before_source = recv_counts.cumsum(dim=0) - recv_counts  # rows of e from lower ranks
-        in_block_start = ends_in_block - recv_counts
-        position = group_start[e] + before_source[source_rank, e] + j - in_block_start[source_rank, e]
-        # Padding rows go after every group, where no GEMM reads them.
-        position = torch.where(routed, position, padded.sum() + (~routed).cumsum(0) - 1)
-        return self._run_at(received, position, padded.cumsum(0).to(torch.int32), r + local * (align - 1))
 
     def _run_received(self, received: Tensor, recv_counts: Tensor, r: int):
         """Run the experts on rows grouped by source rank, then local expert; returns their
@@ -271,17 +245,9 @@ class MoE(nn.Module):
         align = group_alignment(received) if r else 1  # padding rows copy row 0: there must be one
         position, ends, rows_n = grouped_layout(expert_of_row[by_expert], recv_counts.sum(dim=0), align)
         row_of = torch.empty_like(position).index_copy_(0, by_expert, position)  # received row -> expert row
-        return self._run_at(received, row_of, ends, rows_n)
-
-    def _run_at(self, received: Tensor, row_of: Tensor, ends: Tensor, rows_n: int):
-        """Run the experts on `received` rows placed at rows `row_of` of an [rows_n, dim]
-        input grouped by `ends`; returns the output and the function that reads it back in
-        received order. Input rows no received row fills copy row 0 and are never read back."""
-        ids = torch.arange(received.shape[0], device=received.device)
-        source = torch.zeros(rows_n, dtype=torch.int64, device=received.device).index_copy_(0, row_of, ids)
-        back_slots = torch.full((rows_n, 1), -1, dtype=torch.int64, device=received.device).index_copy_(
-            0, row_of, ids.unsqueeze(1))
-        # A permutation is a permute whose every token has one slot: its inverse.
+        # Input rows no received row fills copy row 0 and are never read back. A permutation
+        # is a permute whose every token has one slot: its inverse.
+        source, back_slots = invert_rows(row_of, rows_n)
         out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
         return out_local, lambda y: permute(y, row_of, back_slots)
 
