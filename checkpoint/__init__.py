@@ -24,9 +24,12 @@ from .store import (
     is_committed,
     latest,
     list_committed,
+    newest_verified,
     read_manifest,
     resolve,
     rotate,
+    set_aside,
+    verify,
 )
 from .writer import merge_entries, piece_key, write_shard
 
@@ -51,10 +54,13 @@ __all__ = [
     "latest",
     "list_committed",
     "merge_entries",
+    "newest_verified",
     "piece_key",
     "plan_reads",
     "read_manifest",
     "resolve",
     "rotate",
+    "set_aside",
+    "verify",
     "write_shard",
 ]

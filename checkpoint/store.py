@@ -106,6 +106,31 @@ def latest(root: Path | str) -> Path | None:
     return committed[-1][1] if committed else None
 
 
+def verify(ckpt_dir: Path | str) -> Manifest:
+    """The manifest of a committed checkpoint whose manifest parses and whose every shard
+    file holds its pieces' keys and shapes at its announced length; raises CheckpointError
+    naming what is wrong. Reads the manifest and the shard headers, not the tensors: their
+    checksums are checked as they load."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)  # parses and validates the tiling
+    _check_pieces_on_disk(ckpt_dir, manifest)
+    return manifest
+
+
+def newest_verified(root: Path | str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest committed checkpoint under ``root`` that `verify` accepts (None: none
+    does), and the newer ones it passed over with the reason."""
+    passed: list[tuple[Path, str]] = []
+    for _, d in reversed(list_committed(root)):
+        try:
+            verify(d)
+        except CheckpointError as e:
+            passed.append((d, str(e)))
+            continue
+        return d, passed
+    return None, passed
+
+
 def resolve(root: Path | str, spec: str | int) -> Path:
     """Turn "latest", a step number, or a path (absolute, or relative to cwd or root) into a
     committed checkpoint directory."""
@@ -133,6 +158,21 @@ def resolve(root: Path | str, spec: str | int) -> Path:
         f"no checkpoint {spec_text!r} (looked for {', '.join(str(c) for c in candidates)}); "
         f"committed steps under {root}: {steps if steps else 'none'}"
     )
+
+
+def set_aside(ckpt_dir: Path | str) -> Path:
+    """Rename a checkpoint that does not verify or load to ``<dir>.corrupt`` (``.corrupt-N``
+    if taken), where listing, resuming and rotation no longer see it and nothing is deleted.
+    Returns the new path."""
+    ckpt_dir = Path(ckpt_dir)
+    target = ckpt_dir.with_name(ckpt_dir.name + ".corrupt")
+    n = 1
+    while target.exists():
+        target = ckpt_dir.with_name(f"{ckpt_dir.name}.corrupt-{n}")
+        n += 1
+    os.replace(ckpt_dir, target)
+    _fsync_dir(ckpt_dir.parent)
+    return target
 
 
 def cleanup_uncommitted(root: Path | str, keep: Iterable[Path | str] = frozenset()) -> list[Path]:

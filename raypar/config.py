@@ -6,6 +6,7 @@ combination raises ConfigError naming the key and saying what would work.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,6 +156,9 @@ class CheckpointConfig:
     when_busy: Literal["wait", "skip"] = "wait"  # a save due while the last is still writing
     timeout_s: float = 600.0  # longest wait for a save to commit or a load to finish
     resume: str | None = None  # "latest", a checkpoint path or a step: continue from it
+    # With resume=latest (and after a failure): fail when the newest committed checkpoint does
+    # not verify or load, instead of going on from the newest older one that does.
+    resume_strict: bool = False
     # An exponential moving average of the weights, kept in host memory by the checkpoint
     # writers and saved as ema.<name>: 0 disables it, else ema = decay * ema + (1 - decay) * w.
     ema_decay: float = 0.0
@@ -212,7 +216,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file not found: {p} (configs/ holds the shipped ones, e.g. configs/tiny.yaml)")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -240,7 +244,25 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    node[parts[-1]] = _load_yaml(text) if text.strip() else None
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true and false. YAML 1.1 also reads on, off, yes and no as
+    booleans, which turns a choice such as `runtime.metrics: off` into False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
 
 
 def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
@@ -286,6 +308,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
+        if isinstance(value, str) and value.lower() in _WORDS:
+            return _WORDS[value.lower()]  # yes / no / on / off, as YAML 1.1 read them
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
         return value

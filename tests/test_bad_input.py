@@ -37,6 +37,23 @@ def test_config_errors_name_the_key(override, message):
         load_config(None, [override])
 
 
+def test_yaml_words_on_off_yes_no_are_strings_for_choices_and_booleans_for_flags(tmp_path):
+    """YAML 1.1 reads off / on / yes / no as booleans; a choice such as runtime.metrics=off
+    must still mean the choice, in a file and in an override, and a flag still takes them."""
+    path = tmp_path / "c.yaml"
+    path.write_text("runtime:\n  metrics: off\n  kernels: no\ncheckpoint:\n  every: 2\n")
+    cfg = load_config(path)
+    assert cfg.runtime.metrics == "off" and cfg.runtime.kernels is False
+    cfg = load_config(None, ["runtime.metrics=off", "runtime.kernels=on", "runtime.recompute=none"])
+    assert cfg.runtime.metrics == "off" and cfg.runtime.kernels is True and cfg.runtime.recompute == "none"
+    assert load_config(None, ["runtime.kernels=yes"]).runtime.kernels is True
+    assert load_config(None, ["runtime.kernels=False"]).runtime.kernels is False
+    with pytest.raises(ConfigError, match=r"runtime.metrics='yes' is not allowed; choose one of ray, standalone, off"):
+        load_config(None, ["runtime.metrics=yes"])
+    with pytest.raises(ConfigError, match=r"runtime.kernels must be true or false, got 'maybe'"):
+        load_config(None, ["runtime.kernels=maybe"])
+
+
 def test_explicit_split_must_cover_the_layers():
     with pytest.raises(ConfigError, match=r"layers_per_stage=\[3, 2\] sums to 5 but model.n_layers=4"):
         load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[3,2]"])

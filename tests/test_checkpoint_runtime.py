@@ -117,3 +117,41 @@ def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data):
     export_checkpoint_to_hf(saved, tmp_path / "hf-ema", ema=True)
     exported = load_file(str(tmp_path / "hf-ema" / "model.safetensors"))
     torch.testing.assert_close(exported["model.embed_tokens.weight"], ema["embed.weight"], rtol=1e-5, atol=1e-5)
+
+
+def _shard_with_data(ckpt):
+    """A shard file of checkpoint `ckpt` and the offset of its first tensor's first byte."""
+    import json
+    import struct
+
+    shard = sorted(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)[-1]
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = {k: v for k, v in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
+    return shard, 8 + n + min(v["data_offsets"][0] for v in header.values())
+
+
+def test_resume_latest_passes_over_a_corrupt_newest_checkpoint(ray_session, tmp_path, data):
+    from raypar.checkpoint import CheckpointError
+
+    full = Trainer(config(tmp_path, "run")).fit()
+    root = tmp_path / "run" / "ckpt"
+    assert [s for s, _ in list_committed(root)] == [5, 10]
+
+    # A flipped byte: the files look whole, the load's checksum catches it; step 5 is next.
+    shard, at = _shard_with_data(checkpoint_dir(root, 10))
+    raw = bytearray(shard.read_bytes())
+    raw[at] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    resumed = Trainer(config(tmp_path, "run", resume="latest")).fit()
+    assert resumed.start_step == 5
+    assert [r.loss for r in resumed.records] == [r.loss for r in full.records[5:]]
+    assert (root / "step-000000010.corrupt").is_dir()  # set aside, not deleted
+    assert [s for s, _ in list_committed(root)] == [5, 10]  # and step 10 saved again
+
+    # A shard cut short: strict resuming fails and names it, and moves nothing.
+    shard, _ = _shard_with_data(checkpoint_dir(root, 10))
+    shard.write_bytes(shard.read_bytes()[:-16])
+    with pytest.raises(CheckpointError, match=r"newest checkpoint does not verify: .*step-000000010.*truncated"):
+        Trainer(config(tmp_path, "run", resume="latest", resume_strict=True)).fit()
+    assert [s for s, _ in list_committed(root)] == [5, 10]

@@ -151,7 +151,7 @@ class Controller:
                         path = self._start(dataset, resume)  # a worker lost while starting is a failure like any other
                         t1 = time.time()
                         self.saver.start(self.group.checkpoints)
-                        self.resumed = self.saver.resume(path, self.cfg, self.grid)
+                        self.resumed = self.saver.resume(path, self.cfg, self.grid, fall_back=resume == "latest")
                         self.states.to(State.RUNNING)
                         if self._recovery is not None:
                             self._recovery.resumed(str(self.grid), self.resumed.step, workers_s=t1 - t0,

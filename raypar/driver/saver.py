@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from raypar.checkpoint import CheckpointError
 from raypar.config import Config
 from raypar.driver.policies import SavePolicy
 from raypar.topology import Grid
@@ -32,6 +33,10 @@ class SaveResult:
     @property
     def write_bytes_per_s(self) -> float:
         return self.bytes / self.write_s if self.write_s > 0 else 0.0
+
+
+class ModelMismatchError(CheckpointError):
+    """A checkpoint of another model: the config is wrong, not the checkpoint; no fallback."""
 
 
 @dataclass(frozen=True)
@@ -168,19 +173,54 @@ class Saver:
     def checkpoint_path(self, spec: str | None, recovering: bool) -> Path | None:
         """The checkpoint `spec` names, or None when the run starts from step 0.
 
-        After a failure `spec` is "latest", which may not exist yet: then the run starts over
-        from step 0 (initialisation is deterministic, so nothing differs).
+        "latest" is the newest committed checkpoint that verifies (manifest and shard files);
+        newer ones that do not are set aside (renamed `<dir>.corrupt`, nothing deleted) and
+        named in the log, unless `checkpoint.resume_strict`. After a failure `spec` is
+        "latest", which may not exist yet: then the run starts over from step 0
+        (initialisation is deterministic, so nothing differs).
         """
-        from raypar.checkpoint import latest, resolve
+        from raypar.checkpoint import list_committed, newest_verified, resolve
 
-        if spec is None or (spec == "latest" and recovering and latest(self.root) is None):
+        if spec is None:
             return None
-        return resolve(self.root, spec)
+        if spec != "latest":
+            return resolve(self.root, spec)
+        if recovering and not list_committed(self.root):
+            return None
+        path, passed = newest_verified(self.root)
+        if passed and self.policy.checkpoint.resume_strict:
+            raise CheckpointError(f"the newest checkpoint does not verify: {passed[0][1]} "
+                                  "(checkpoint.resume_strict=false goes on from the newest one that does)")
+        for bad, why in passed:
+            self._set_aside(bad, why)
+        if path is None:
+            raise CheckpointError(f"no committed checkpoint under {self.root} verifies")
+        return path
 
-    def resume(self, path: Path | None, cfg: Config, grid: Grid) -> Resumed:
+    def resume(self, path: Path | None, cfg: Config, grid: Grid, fall_back: bool = False) -> Resumed:
         """Load checkpoint `path` (`checkpoint_path`) into the workers (`start` first); None:
-        the run starts from step 0."""
-        from raypar.checkpoint import CheckpointError, read_manifest
+        the run starts from step 0. With `fall_back` (the path came from "latest"), a
+        checkpoint whose tensors fail to load (a checksum mismatch) is set aside for the next
+        older one that verifies, unless `checkpoint.resume_strict`."""
+        while True:
+            try:
+                return self._load(path, cfg, grid)
+            except CheckpointError as e:
+                if path is None or not fall_back or self.policy.checkpoint.resume_strict \
+                        or isinstance(e, ModelMismatchError):
+                    raise
+                self._set_aside(Path(path), str(e))
+                path = self.checkpoint_path("latest", recovering=False)
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        from raypar.checkpoint import set_aside
+
+        moved = set_aside(path)
+        self.log(f"raypar: checkpoint {path} is corrupt ({why}); moved it to {moved} and going on from the one "
+                 f"before it (checkpoint.resume_strict=true fails instead)")
+
+    def _load(self, path: Path | None, cfg: Config, grid: Grid) -> Resumed:
+        from raypar.checkpoint import read_manifest
 
         if path is None:
             return Resumed(0, 0, None, [])
@@ -192,7 +232,7 @@ class Saver:
         changed = {k: (saved_model.get(k), v) for k, v in current.items()
                    if k not in ("dtype", "init_from") and saved_model.get(k) != v}
         if changed:
-            raise CheckpointError(
+            raise ModelMismatchError(
                 f"{path} was written for another model: "
                 + ", ".join(f"model.{k}={old!r} there, {new!r} here" for k, (old, new) in changed.items())
             )
