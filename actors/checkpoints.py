@@ -1,8 +1,9 @@
-"""A worker group's checkpoint work: its nodes' writers, snapshots, saves, the EMA, loads.
+"""A worker group's checkpoint work: its nodes' writers, snapshots, saves, loads.
 
 Nothing here decides when: the driver's `Saver` asks. Nothing here waits on the step loop
-either: workers export their snapshots on an I/O thread while they train on, writers write
-as snapshots arrive, and a save's commit runs once every shard is written.
+either: workers write their snapshots as shard files on an I/O thread while they train on
+(from the pinned host buffers, no copy through the object store), and a save's commit
+runs on a writer once every shard is written.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ class WorkerCheckpoints:
     def __init__(self, group: WorkerGroup):
         self.group = group
         self.writers: dict = {}  # node id -> CheckpointWriter, started on first use
-        self._exports: list = []  # the last snapshot's export refs, still leaving the workers
+        self._exports: list = []  # the last snapshot's shard writes, still reading the workers' buffers
 
     def _started_writers(self, root: str) -> dict:
-        """One checkpoint writer per node that holds workers, pinned to that node."""
+        """One checkpoint writer per node that holds workers, pinned to that node: it removes
+        that node's view of interrupted saves, and the first node's commits."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from .checkpoint_writer import CheckpointWriter
@@ -34,7 +36,7 @@ class WorkerCheckpoints:
             if node not in self.writers:
                 self.writers[node] = CheckpointWriter.options(
                     num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                ).remote(root, cfg.keep_last, cfg.ema_decay)
+                ).remote(root, cfg.keep_last)
         return self.writers
 
     def start_writers(self, root: str, timeout: float) -> None:
@@ -64,31 +66,26 @@ class WorkerCheckpoints:
         g = self.group
         ray.get([w.start_snapshot.remote(step, options) for w in g.workers], timeout=g.cfg.checkpoint.timeout_s)
 
-    def save(self, root: str, step: int, meta: dict, update_ema: bool = False):
-        """Hand each worker's last snapshot to its node's writer; returns the commit's ObjectRef."""
+    def save(self, root: str, step: int, meta: dict):
+        """Each worker writes its last snapshot as its shard; returns the commit's ObjectRef."""
         g = self.group
         writers = self._started_writers(root)
-        self._exports = [w.export_snapshot.remote() for w in g.workers]
-        written = [writers[info["node_id"]].write.remote(step, rank, export, update_ema)
-                   for rank, (export, info) in enumerate(zip(self._exports, g.info))]
-        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *written)
-
-    def update_ema(self, root: str) -> None:
-        """Fold the snapshot just taken into the writers' EMA (no waiting)."""
-        g = self.group
-        writers = self._started_writers(root)
-        self._exports = [w.export_snapshot.remote() for w in g.workers]
-        for export, info in zip(self._exports, g.info):
-            writers[info["node_id"]].update_ema.remote(export)
+        self._exports = [w.write_snapshot.remote(root, step) for w in g.workers]
+        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *self._exports)
 
     def wait_exports(self, timeout: float) -> float:
-        """Block until the last snapshot left every worker (its host buffers get reused next);
-        returns the seconds waited."""
+        """Block until every worker has written the last snapshot (its host buffers get reused
+        next); returns the seconds waited."""
         t0 = time.perf_counter()
         exports, self._exports = self._exports, []
         if exports:
             ray.wait(exports, num_returns=len(exports), timeout=timeout)
         return time.perf_counter() - t0
+
+    def exports_done(self) -> bool:
+        """Whether every worker has written the last snapshot (no waiting)."""
+        done, _ = ray.wait(self._exports, num_returns=len(self._exports), timeout=0) if self._exports else ([], [])
+        return len(done) == len(self._exports)
 
     def forget_exports(self) -> None:
         """The workers that exported are gone or reset: nothing is left to wait for."""
@@ -101,17 +98,6 @@ class WorkerCheckpoints:
         g = self.group
         return ray.get([w.load_checkpoint.remote(path, same_grid) for w in g.workers],
                        timeout=g.cfg.checkpoint.timeout_s)
-
-    def load_ema(self, root: str, path: str) -> None:
-        """Give each node's writer the EMA its workers' weights had in checkpoint `path`."""
-        g = self.group
-        writers = self._started_writers(root)
-        names = ray.get([w.owned_weight_names.remote() for w in g.workers])
-        by_node: dict[str, list[str]] = {}
-        for owned, info in zip(names, g.info):
-            by_node.setdefault(info["node_id"], []).extend(owned)
-        ray.get([writers[node].load_ema.remote(path, owned) for node, owned in by_node.items()],
-                timeout=g.cfg.checkpoint.timeout_s)
 
     def shutdown(self) -> None:
         self.reset_writers()

@@ -185,11 +185,19 @@ class StageWorker:
         return self.runtime.start_snapshot(step, **options)
 
     @ray.method(concurrency_group="io")
-    def export_snapshot(self) -> dict:
-        """The last snapshot, once copied, for the checkpoint writer. Runs beside run_step."""
-        from .checkpoint_writer import to_wire
+    def write_snapshot(self, root: str, step: int) -> dict:
+        """Write the last snapshot, once copied, as this worker's shard of checkpoint `step`,
+        straight from its host buffers. Runs beside run_step; the commit gathers the result."""
+        from raypar.checkpoint import checkpoint_dir, write_shard
 
-        return to_wire(self.runtime.snapshot.host_tensors())
+        t0 = time.perf_counter()
+        tensors = self.runtime.snapshot_for_writing()
+        t1 = time.perf_counter()
+        pieces = [(name, t, (0,) * t.ndim, tuple(t.shape)) for name, t in tensors.items()]
+        results = write_shard(checkpoint_dir(root, step), f"shard-{self.rank:05d}.safetensors", pieces)
+        return {"results": results, "shapes": {n: tuple(t.shape) for n, t in tensors.items()},
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "copy_wait_s": t1 - t0, "seconds": time.perf_counter() - t1}
 
     def load_checkpoint(self, path: str, same_grid: bool) -> dict:
         """Load this worker's share of checkpoint `path`; returns how many bytes it read."""

@@ -1,10 +1,13 @@
 """Checkpoint suite: what a save costs the training loop, how fast it writes, how fast it loads.
 
-Side by side in one run: raypar's asynchronous checkpoints (`checkpoint.every`) on pp=2; a
-synchronous `torch.save` and `torch.distributed.checkpoint.async_save` of the same state
-(weights, fp32 masters, AdamW moments) from a whole-model reference on the driver; the
-disk's sequential write speed (fsync'd); loading the checkpoint on the grid that wrote it
-and resharded onto pp=1.
+Side by side in one run: the same pp=2 run without saves, saving every N steps
+(`checkpoint.every`, tokens/s against not saving, each stage of a save's path timed), and
+with an EMA of the weights folded every step (tokens/s against not saving); a synchronous
+`torch.save` and `torch.distributed.checkpoint.async_save` of the same state (weights, fp32
+masters, AdamW moments) from a whole-model reference on the driver; the disk's sequential
+write speed (fsync'd) and the device-to-host copy bandwidth into pinned memory, which a
+save's write and snapshot are compared with; loading the checkpoint on the grid that wrote
+it and resharded onto pp=1.
 """
 from __future__ import annotations
 
@@ -33,15 +36,17 @@ NOTES = ("stall: time the step loop was held up by a save (raypar: first save / 
          "torch.save: the whole save; async_save: until it returned); overlap: extra "
          "time of the steps that ran while a raypar save was in flight, against steps with none; "
          "stall / step: against raypar's median step time for the same model and batch. Writes fsync. "
-         "raypar's MiB/s is its own figure, bytes / the slowest shard's write time; a node's one writer "
-         "writes its shards one after another, so with 2 shards on a node it can read up to 2x high: "
-         "save to commit (snapshot, hand-off, write, commit) bounds it from below. "
+         "raypar's MiB/s is its own figure, bytes / the slowest worker's shard write time (each worker "
+         "writes its own shard, in parallel): save to commit (snapshot copies, write, commit) bounds it "
+         "from below. tokens/s: global batch tokens over the mean step time of steps 1 .. n-2, so the "
+         "steps a save slowed count; vs the run without saves in the same call. "
          "Load: read_manifest + WorkerCheckpoints.load (same grid: into the workers that just saved; "
          "resharded: the resume of a new pp=1 run (Trainer.resumed.load_s), whose one worker reads what two read on pp=2, so it is "
          "also compared per byte read by the busiest worker); the files were just written, so reads may come "
          "from the page cache.")
 
-DISK_BYTES = {"gpu": 256 * 2**20, "cpu": 16 * 2**20}
+DISK_BYTES = {"gpu": 2 * 2**30, "cpu": 16 * 2**20}
+COPY_BYTES = 2**30
 
 
 def run(ctx: "Context") -> list[dict]:
@@ -50,6 +55,8 @@ def run(ctx: "Context") -> list[dict]:
     where.mkdir(parents=True, exist_ok=True)
     rows += ctx.attempt("disk: sequential write + fsync", lambda: disk_row(where, DISK_BYTES["cpu" if ctx.cpu else "gpu"]),
                         min_time_s=5)
+    if not ctx.cpu and torch.cuda.is_available():
+        rows += ctx.attempt("device to pinned host copy", lambda: copy_row(COPY_BYTES), min_time_s=5)
     # On GPU 8 steps: a save after step 4 and one due at the end, with clean steps before to compare.
     steps = max(ctx.default_steps(gpu=8), 2)
     every = max(1, steps // 2)
@@ -60,7 +67,15 @@ def run(ctx: "Context") -> list[dict]:
                       "checkpoint.when_busy=skip"], f"save every {every}", steps=steps)
     cfg.data.path = ctx.corpus(cfg)
     saved: dict = {}
+    plain = ctx.config(["parallel.pp=2", "checkpoint.every=0"], "no saves", steps=steps)
+    plain.data.path = cfg.data.path
+    rows += ctx.attempt("raypar, no saves (pp=2)", lambda: plain_row(ctx, plain, "raypar, no saves (pp=2)"))
     rows += ctx.attempt(f"raypar, checkpoint.every={every} (pp=2)", lambda: raypar_save_rows(ctx, cfg, every, saved))
+    # The EMA folded after every step, one save at the end (the EMA is saved only with checkpoints).
+    ema = ctx.config(["parallel.pp=2", f"checkpoint.every={steps}", "checkpoint.ema_decay=0.999",
+                      "checkpoint.ema_every=1"], "ema every step", steps=steps)
+    ema.data.path = cfg.data.path
+    rows += ctx.attempt("raypar, EMA every step (pp=2)", lambda: plain_row(ctx, ema, "raypar, EMA every step (pp=2)"))
     rows += ctx.attempt("torch.save, synchronous (whole model on the driver)",
                         lambda: reference_rows(ctx, cfg, where, quick=ctx.quick), min_time_s=20)
     if saved.get("path") and not ctx.quick:
@@ -71,10 +86,18 @@ def run(ctx: "Context") -> list[dict]:
 
 
 def relate(rows: list[dict], step_s: float | None) -> None:
-    """Ratios between rows of this run: to the disk, to raypar's step, to the same-grid load."""
+    """Ratios between rows of this run: to the disk, to raypar's step, to the same-grid load,
+    to the run without saves, to the device-to-host copy."""
     disk = next((r for r in rows if "disk_bytes_per_s" in r), None)
     same = next((r for r in rows if r.get("load_pp") == 2 and "load_s" in r), None)
+    plain = next((r for r in rows if r.get("label", "").startswith("raypar, no saves") and r.get("loop_tokens_per_s")),
+                 None)
+    copy = next((r for r in rows if "copy_bytes_per_s" in r), None)
     for r in rows:
+        if plain and r is not plain and r.get("loop_tokens_per_s"):
+            r["vs_no_saves"] = r["loop_tokens_per_s"] / plain["loop_tokens_per_s"]
+        if copy and r.get("snapshot_bytes_per_s"):
+            r["snapshot_vs_copy"] = r["snapshot_bytes_per_s"] / copy["copy_bytes_per_s"]
         if disk and r.get("write_bytes_per_s"):
             r["vs_disk"] = r["write_bytes_per_s"] / disk["disk_bytes_per_s"]
         if disk and r.get("end_to_end_bytes_per_s"):
@@ -110,6 +133,41 @@ def disk_row(where: Path, nbytes: int) -> dict:
     path.unlink()
     return {"label": f"disk: sequential write {nbytes / 2**20:.0f} MiB + fsync", "bytes": nbytes,
             "write_s": seconds, "disk_bytes_per_s": nbytes / seconds, "write_bytes_per_s": nbytes / seconds}
+
+
+def copy_row(nbytes: int) -> dict:
+    """Device-to-host copies into pinned memory: one cudaMemcpy, and the many-tensor copy
+    kernel a snapshot uses (64 tensors). The bandwidth a snapshot could reach."""
+    from raypar.kernels import copy_
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    parts = list(src.chunk(64)), list(dst.chunk(64))
+    out = {}
+    for name, fn in (("memcpy", lambda: dst.copy_(src, non_blocking=True)), ("kernel", lambda: copy_(*parts))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = 3 * nbytes / (time.perf_counter() - t0)
+    return {"label": f"device to pinned host copy, {nbytes / 2**20:.0f} MiB", "bytes": nbytes,
+            "copy_bytes_per_s": max(out.values()), "memcpy_bytes_per_s": out["memcpy"],
+            "kernel_bytes_per_s": out["kernel"], "write_bytes_per_s": max(out.values())}
+
+
+def loop_tokens_per_s(cfg: "Config", summary: "RunSummary") -> float:
+    """Tokens over the mean step time of steps 1 .. n-2: the slowed steps of the saves count;
+    the first (warm-up) and the last (whose save only starts) do not."""
+    steps = [r.step_time_s for r in summary.records[1:-1]] or [summary.step_time_s]
+    return cfg.train.global_batch_size * cfg.data.seq_len / statistics.fmean(steps)
+
+
+def plain_row(ctx: "Context", cfg: "Config", label: str) -> dict:
+    summary = ctx.trainer(cfg, label).fit()
+    return ctx.row(label, cfg, summary, loop_tokens_per_s=loop_tokens_per_s(cfg, summary),
+                   stall_s=summary.checkpoint_stall_s)
 
 
 # -- raypar's own checkpoints --------------------------------------------------------------
@@ -151,12 +209,17 @@ def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> 
     saved.update(path=ok[-1]["path"], bytes=ok[-1]["bytes"], step=ok[-1]["step"], step_time_s=clean_step_s)
     nbytes = statistics.fmean(c["bytes"] for c in ok)
     write_s = statistics.fmean(c["write_s"] for c in ok)
+    copy_s = statistics.fmean(c["copy_wait_s"] for c in ok)
+    stages = {k: statistics.fmean(c[k] for c in ok) for k in ("copy_wait_s", "write_s", "commit_s", "duration_s")}
     rows = [ctx.row(label, cfg, summary, bytes=nbytes, stall_s=stalls[0] if stalls else 0.0,
                     stall_mean_s=statistics.fmean(stalls) if stalls else 0.0, stalls_s=stalls,
                     overlap_s=overlap_cost(summary, timeline), write_s=write_s,
                     write_bytes_per_s=nbytes / write_s if write_s else None,
                     save_duration_s=statistics.fmean(c["duration_s"] for c in ok), clean_step_s=clean_step_s,
-                    saves_skipped=summary.checkpoints_skipped,
+                    saves_skipped=summary.checkpoints_skipped, saves_committed=len(ok), save_stages_s=stages,
+                    # A worker's share over its wait for the copies: the snapshot's device-to-host speed.
+                    snapshot_bytes_per_s=nbytes / cfg.parallel.pp / copy_s if copy_s else None,
+                    loop_tokens_per_s=loop_tokens_per_s(cfg, summary),
                     end_to_end_bytes_per_s=statistics.fmean(c["bytes"] / c["duration_s"] for c in ok))]
     if load.load_s is not None:
         rows.append({"label": "load, same grid (pp=2 -> pp=2), into the running workers", "load_s": load.load_s,
@@ -334,6 +397,19 @@ def table(rows: list[dict]) -> str:
                         + f"; step {r['clean_step_s'] * 1000:.0f} ms (median)")
             if r.get("saves_skipped"):
                 note.append(f"{r['saves_skipped']} save(s) skipped while one was writing (when_busy=skip)")
+        if "vs_no_saves" in r:
+            note.append(f"tokens/s {r['loop_tokens_per_s']:,.0f} = {r['vs_no_saves']:.3f} of the run without saves")
+        if "save_stages_s" in r:
+            st = r["save_stages_s"]
+            note.append(f"per save: copies {st['copy_wait_s']:.2f}s, write {st['write_s']:.2f}s, commit "
+                        f"{st['commit_s']:.2f}s, snapshot to commit {st['duration_s']:.2f}s; "
+                        f"{r.get('saves_committed', 0)} committed")
+        if "snapshot_vs_copy" in r:
+            note.append(f"snapshot copies at {r['snapshot_bytes_per_s'] / 2**20:,.0f} MiB/s per worker = "
+                        f"{r['snapshot_vs_copy']:.2f} of the measured copy")
+        if "memcpy_bytes_per_s" in r:
+            note.append(f"memcpy {r['memcpy_bytes_per_s'] / 2**20:,.0f} MiB/s, copy kernel "
+                        f"{r['kernel_bytes_per_s'] / 2**20:,.0f} MiB/s")
         if "device" in r:
             note.append(f"on {r['device']}")
         vs_disk = f"{r['vs_disk']:.2f}" if r.get("vs_disk") else "-"

@@ -4,7 +4,8 @@ was saved as.
 A read is planned first (``plan_reads``: which saved pieces intersect the request, and
 which slice of each lands where) and then executed by reading only those slices through
 safetensors' lazy ``get_slice``, so a worker loading its shard of a large tensor does not
-materialise the other workers' pieces.
+materialise the other workers' pieces. On remote storage (a URI) each piece is one ranged
+read of its bytes.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import store
+from . import storage, store
 from .manifest import CheckpointError, Manifest, PieceEntry, TensorEntry, tensor_checksum
+from .storage import Location
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,8 @@ class CheckpointReader:
     """Reads tensors of one committed checkpoint. Use as a context manager, or call
     ``close()``, to release the memory-mapped shard files."""
 
-    def __init__(self, ckpt_dir: Path | str, verify: bool = True):
-        self.ckpt_dir = Path(ckpt_dir)
+    def __init__(self, ckpt_dir: Location, verify: bool = True):
+        self.ckpt_dir = ckpt_dir if storage.is_uri(ckpt_dir) else Path(ckpt_dir)
         self.verify = verify
         self.manifest: Manifest = store.read_manifest(self.ckpt_dir)
         # Lexical checks ran while parsing; this one also follows symlinks.
@@ -174,12 +176,12 @@ class CheckpointReader:
         if handle is not None:
             return handle
         path = self._paths[file]
-        if not path.is_file():
+        if not storage.is_file(path):
             raise CheckpointError(
                 f"checkpoint {self.ckpt_dir}: shard file {file} is missing (needed by tensor {tensor})"
             )
         try:
-            handle = safe_open(str(path), framework="pt")
+            handle = _RemoteShard(path) if storage.is_uri(path) else safe_open(str(path), framework="pt")
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint {self.ckpt_dir}: shard file {file} is unreadable or truncated "
@@ -187,3 +189,47 @@ class CheckpointReader:
             ) from e
         self._handles[file] = handle
         return handle
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class _RemoteShard:
+    """safetensors' `safe_open` handle for a file on remote storage: the header read once,
+    each tensor one ranged read."""
+
+    def __init__(self, path: str):
+        import json
+        import struct
+
+        self.path = path
+        (n,) = struct.unpack("<Q", storage.read_bytes(path, 0, 8))
+        self.header = json.loads(storage.read_bytes(path, 8, n))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + n
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        info = self.header[key]
+        begin, end = info["data_offsets"]
+        raw = bytearray(storage.read_bytes(self.path, self.data_start + begin, end - begin))
+        dtype = _DTYPES[info["dtype"]]
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(info["shape"])
+
+    def get_slice(self, key: str) -> "_RemoteSlice":
+        if key not in self.header:
+            raise KeyError(key)
+        return _RemoteSlice(self, key)
+
+
+class _RemoteSlice:
+    def __init__(self, shard: _RemoteShard, key: str):
+        self.shard, self.key = shard, key
+
+    def get_shape(self) -> list[int]:
+        return list(self.shard.header[self.key]["shape"])
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.shard.get_tensor(self.key)[index]

@@ -149,7 +149,9 @@ class RuntimeConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save after every N optimizer steps (and after the last one); 0: never
-    dir: str | None = None  # None: <runtime.run_dir>/checkpoints
+    # A folder, or a URI that pyarrow.fs opens (s3://bucket/prefix: no shared file system
+    # needed); None: <runtime.run_dir>/checkpoints.
+    dir: str | None = None
     keep_last: int = 2  # committed checkpoints kept; older ones are deleted after a commit
     save_optimizer: bool = True  # AdamW moments and step counts
     save_master: bool = True  # fp32 master weights of a bf16 model
@@ -159,8 +161,9 @@ class CheckpointConfig:
     # With resume=latest (and after a failure): fail when the newest committed checkpoint does
     # not verify or load, instead of going on from the newest older one that does.
     resume_strict: bool = False
-    # An exponential moving average of the weights, kept in host memory by the checkpoint
-    # writers and saved as ema.<name>: 0 disables it, else ema = decay * ema + (1 - decay) * w.
+    # An exponential moving average of the fp32 master weights, kept beside them on each
+    # worker's device (4 bytes a parameter) and saved with every checkpoint as ema.<name>: 0
+    # disables it, else ema = decay * ema + (1 - decay) * w, starting from the initial weights.
     ema_decay: float = 0.0
     ema_every: int = 1  # update the EMA after every N steps
 
@@ -358,8 +361,8 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= c.ema_decay < 1.0 or c.ema_every < 1:
         raise ConfigError(f"checkpoint.ema_decay={c.ema_decay} must be in [0, 1) and checkpoint.ema_every={c.ema_every} >= 1")
     if c.ema_decay and not c.every:
-        raise ConfigError("checkpoint.ema_decay is set but checkpoint.every=0: the EMA is kept by the checkpoint "
-                          "writers and saved with checkpoints; set checkpoint.every")
+        raise ConfigError("checkpoint.ema_decay is set but checkpoint.every=0: the EMA is saved only with "
+                          "checkpoints; set checkpoint.every")
     if c.every < 0 or c.keep_last < 1 or c.timeout_s <= 0:
         raise ConfigError(f"checkpoint.every={c.every} must be >= 0, checkpoint.keep_last={c.keep_last} >= 1, "
                           f"checkpoint.timeout_s={c.timeout_s} > 0")

@@ -65,6 +65,18 @@ class MasterOptimizer:
             fused=True,
         )
         self._init_state()
+        # An exponential moving average of the fp32 masters (`enable_ema`), on their device.
+        self.ema: list[torch.Tensor] | None = None
+
+    def enable_ema(self) -> None:
+        """Start an EMA of the weights from their values now (fp32, beside the masters)."""
+        self.ema = [m.detach().float().clone() for m in self.master]
+
+    def update_ema(self, decay: float) -> None:
+        """ema = decay * ema + (1 - decay) * master, one multi-tensor launch on a GPU."""
+        from raypar.kernels import ema_update_
+
+        ema_update_(self.ema, [m.detach() for m in self.master], decay)
 
     def _init_state(self) -> None:
         """AdamW's state as its first step would make it (zero moments, step 0), made now.
@@ -121,10 +133,12 @@ class MasterOptimizer:
         """Overwrite parameters (and their fp32 masters) by checkpoint name; returns the names set."""
         done = []
         with torch.no_grad():
-            for (name, p), m in zip(self.named_params, self.master):
+            for i, ((name, p), m) in enumerate(zip(self.named_params, self.master)):
                 keys = [(key, index) for key, index in self.slices[name] if key in tensors]
                 for key, index in keys:
                     m[index].copy_(tensors[key])
+                    if self.ema is not None:
+                        self.ema[i][index].copy_(m[index])  # new weights restart the average
                     done.append(key)
                 if keys and m is not p:
                     p.copy_(m)

@@ -51,8 +51,11 @@ def test_every_suite_runs_on_cpu(tmp_path):
         assert ours["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
 
     ckpt = results["suites"]["checkpoint"]["rows"]
-    raypar_save = next(r for r in ckpt if r["label"].startswith("raypar"))
+    raypar_save = next(r for r in ckpt if r["label"].startswith("raypar, checkpoint.every"))
     assert raypar_save["bytes"] > 0 and raypar_save["stall_per_step"] >= 0 and raypar_save["vs_disk"] > 0
+    assert raypar_save["vs_no_saves"] > 0 and raypar_save["save_stages_s"]["write_s"] > 0
+    ema = next(r for r in ckpt if r["label"].startswith("raypar, EMA every step"))
+    assert ema["vs_no_saves"] > 0 and ema["config"]["checkpoint"]["ema_every"] == 1
     assert {r["label"] for r in ckpt} >= {"torch.save, synchronous (whole model on the driver)",
                                          "torch.distributed.checkpoint.async_save",
                                          "load, same grid (pp=2 -> pp=2), into the running workers",

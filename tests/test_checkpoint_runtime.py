@@ -92,6 +92,7 @@ def test_stage_worker_killed_mid_save_keeps_the_last_committed(ray_session, tmp_
 
 
 def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data):
+    """The workers' EMA of their masters equals the single-process reference's."""
     from safetensors.torch import load_file
 
     from raypar.data import SampleOrder, TokenDataset
@@ -104,11 +105,12 @@ def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data):
     # The same four steps in one process, with the EMA folded in after each.
     dataset = TokenDataset(cfg.data.path, cfg.data.seq_len)
     order = SampleOrder(len(dataset), cfg.train.seed)
-    ref, ema = ReferenceTrainer(cfg), None
+    ref = ReferenceTrainer(cfg)
+    ema = ref.parameters()  # the average starts from the initial weights
     for step in range(4):
         ref.step(step, *dataset.get(order.indices(step * 8, 8)))
         w = ref.parameters()
-        ema = w if ema is None else {n: decay * ema[n] + (1 - decay) * w[n] for n in w}
+        ema = {n: decay * ema[n] + (1 - decay) * w[n] for n in w}
     saved = latest(tmp_path / "ema" / "ckpt")
     with CheckpointReader(saved) as r:
         assert sorted(n[4:] for n in r.names() if n.startswith("ema.")) == sorted(ema)
@@ -155,3 +157,17 @@ def test_resume_latest_passes_over_a_corrupt_newest_checkpoint(ray_session, tmp_
     with pytest.raises(CheckpointError, match=r"newest checkpoint does not verify: .*step-000000010.*truncated"):
         Trainer(config(tmp_path, "run", resume="latest", resume_strict=True)).fit()
     assert [s for s, _ in list_committed(root)] == [5, 10]
+
+
+@pytest.mark.parametrize("target", [(1, 2, 1), (2, 1, 1)], ids=lambda g: "x".join(map(str, g)))
+def test_ema_resumed_on_the_same_or_another_grid_equals_an_uninterrupted_runs(ray_session, tmp_path, data, target):
+    ema = {"ema_decay": 0.7, "ema_every": 2}
+    Trainer(config(tmp_path, "full", steps=6, every=3, **ema)).fit()
+    saved = checkpoint_dir(tmp_path / "full" / "ckpt", 3)
+    Trainer(config(tmp_path, "resumed", grid=target, steps=6, every=3, resume=str(saved), **ema)).fit()
+    with CheckpointReader(latest(tmp_path / "full" / "ckpt")) as a, \
+            CheckpointReader(latest(tmp_path / "resumed" / "ckpt")) as b:
+        names = [n for n in a.names() if n.startswith("ema.")]
+        assert names and names == [n for n in b.names() if n.startswith("ema.")]
+        for name in names:
+            torch.testing.assert_close(b.read(name), a.read(name), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -24,6 +24,7 @@ from typing import IO, Callable
 import ray
 
 from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
+from raypar.checkpoint.storage import Location
 from raypar.config import Config
 from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
 from raypar.driver.callbacks import Callback
@@ -56,7 +57,6 @@ class InFlightStep:
     issued_at: float  # time.perf_counter() when it was sent
     refs: list  # one ObjectRef per worker, by rank
     save: bool  # its snapshot becomes a checkpoint
-    ema: bool  # its snapshot updates the EMA
     stall: float  # seconds the loop waited on checkpointing before sending it
 
 
@@ -232,24 +232,25 @@ class Controller:
     def _may_issue(self, step: int, inflight: deque[InFlightStep]) -> bool:
         """Whether `step` may be sent behind the steps in flight.
 
-        A step that snapshots is sent alone: it reuses host buffers that the last snapshot's
-        export must have left, and it may have to wait for the last save to commit. Waiting
-        with nothing in flight keeps that wait out of the other steps' times.
+        A step that snapshots is sent alone unless the last save is committed and its
+        snapshot written: it reuses host buffers that the last snapshot's write must have
+        left, and it may have to wait for the last save to commit. Waiting with nothing in
+        flight keeps that wait out of the other steps' times.
         """
         policy = self.saver.policy
-        return not inflight or not (policy.save_due(step + 1) or policy.ema_due(step + 1))
+        return not inflight or not policy.save_due(step + 1) or self.saver.idle()
 
     def _issue(self, step: int, consumed: int, order: SampleOrder) -> InFlightStep:
         """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
         policy, gbs = self.saver.policy, self.cfg.train.global_batch_size
-        save, ema, stall = policy.save_due(step + 1), policy.ema_due(step + 1), 0.0
+        save, stall = policy.save_due(step + 1), 0.0
         if save:
             save, stall = self.saver.ready_for()
         snapshot = None
-        if save or ema:
+        if save:
             # The last snapshot's buffers are reused: it must have left the workers.
             stall += self.saver.wait_exports()
-            snapshot = policy.snapshot_options(save)
+            snapshot = policy.snapshot_options()
 
         def ids_after(n: int) -> list[list[int]]:
             batch = order.indices(n, gbs)
@@ -261,7 +262,7 @@ class Controller:
         following = ids_after(consumed + gbs) if step + 1 < self.cfg.train.steps else None
         issued_at = time.perf_counter()
         refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following)
-        return InFlightStep(step, consumed, issued_at, refs, save, ema, stall)
+        return InFlightStep(step, consumed, issued_at, refs, save, stall)
 
     def _finish(self, sent: InFlightStep, events: EventLog) -> StepRecord:
         """Wait for a sent step and make its record. Its time runs from when the workers could
@@ -287,9 +288,7 @@ class Controller:
         step = record.step
         t0 = time.perf_counter()
         if sent.save:
-            self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid, update_ema=sent.ema)
-        elif sent.ema:
-            self.saver.update_ema()
+            self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:
             self.saver.poll()
         record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
@@ -310,7 +309,7 @@ class Controller:
 
     # -- planning and starting -------------------------------------------------------------
 
-    def _start(self, dataset: TokenDataset, resume: str | None) -> Path | None:
+    def _start(self, dataset: TokenDataset, resume: str | None) -> Location | None:
         """PLANNING -> STARTING: pick the grid, place and wire its workers; returns the checkpoint
         `resume` names (None: from step 0). With one, the stages are not initialised: the load
         fills them."""

@@ -123,7 +123,8 @@ class FailurePolicy:
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """Which steps save a checkpoint or fold the EMA, counted in steps done."""
+    """Which steps save a checkpoint, counted in steps done. (The EMA is the workers' own:
+    they fold it after every `checkpoint.ema_every` optimizer steps.)"""
 
     checkpoint: CheckpointConfig
     total_steps: int
@@ -132,12 +133,6 @@ class SavePolicy:
         every = self.checkpoint.every
         return every > 0 and (steps_done % every == 0 or steps_done == self.total_steps)
 
-    def ema_due(self, steps_done: int) -> bool:
-        c = self.checkpoint
-        return c.ema_decay > 0 and steps_done % c.ema_every == 0
-
-    def snapshot_options(self, save: bool) -> dict[str, bool]:
-        """What a snapshot copies: everything configured for a save, the weights alone for the EMA."""
-        if save:
-            return {"save_optimizer": self.checkpoint.save_optimizer, "save_master": self.checkpoint.save_master}
-        return {"save_optimizer": False, "save_master": False}
+    def snapshot_options(self) -> dict[str, bool]:
+        """What a save's snapshot copies beside the weights (and the EMA, when kept)."""
+        return {"save_optimizer": self.checkpoint.save_optimizer, "save_master": self.checkpoint.save_master}

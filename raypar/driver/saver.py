@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from raypar.checkpoint import CheckpointError
+from raypar.checkpoint.storage import Location, is_uri
 from raypar.config import Config
 from raypar.driver.policies import SavePolicy
 from raypar.topology import Grid
@@ -26,13 +27,23 @@ class SaveResult:
     step: int
     path: str | None
     bytes: int
-    write_s: float  # slowest writer's time for its shards
+    write_s: float  # slowest worker's time writing its shard
     duration_s: float  # from the save's start to its commit being seen
     error: str | None = None
+    copy_wait_s: float = 0.0  # slowest worker's wait for its snapshot's device-to-host copies, before writing
+    commit_s: float = 0.0  # checking the shards, publishing the manifest, rotating
 
     @property
     def write_bytes_per_s(self) -> float:
         return self.bytes / self.write_s if self.write_s > 0 else 0.0
+
+
+def _root(directory: str | None, run_dir: Path) -> Location:
+    """Where checkpoints go: `checkpoint.dir` (a local folder, or a URI such as
+    s3://bucket/prefix that pyarrow.fs opens), else <run_dir>/checkpoints."""
+    if not directory:
+        return run_dir / "checkpoints"
+    return directory if is_uri(directory) else Path(directory).expanduser().resolve()
 
 
 class ModelMismatchError(CheckpointError):
@@ -45,7 +56,7 @@ class Resumed:
 
     step: int
     consumed_samples: int
-    path: Path | None  # None: from step 0, nothing loaded
+    path: Location | None  # None: from step 0, nothing loaded
     loaded: list[dict]  # per worker: rank and bytes read
     load_s: float = 0.0  # reading the manifest and every worker's share
 
@@ -58,7 +69,7 @@ class Saver:
         self.when_busy = cfg.checkpoint.when_busy
         self.on_result = on_result
         self.log = log
-        self.root = Path(cfg.checkpoint.dir).expanduser().resolve() if cfg.checkpoint.dir else run_dir / "checkpoints"
+        self.root = _root(cfg.checkpoint.dir, run_dir)
         self.results: list[SaveResult] = []
         self.skipped = 0
         self._workers: WorkerCheckpoints | None = None
@@ -86,11 +97,16 @@ class Saver:
         self.finish()
         return True, time.perf_counter() - t0
 
+    def idle(self) -> bool:
+        """No save in flight and the last snapshot written: a save may start without waiting."""
+        self.poll()
+        return self._pending is None and self._workers.exports_done()
+
     def snapshot(self, step: int) -> None:
         """Snapshot the state after `step` (between steps) for a save."""
-        self._workers.snapshot(step, self.policy.snapshot_options(save=True))
+        self._workers.snapshot(step, self.policy.snapshot_options())
 
-    def begin(self, steps_done: int, consumed: int, cfg: Config, grid: Grid, update_ema: bool = False) -> None:
+    def begin(self, steps_done: int, consumed: int, cfg: Config, grid: Grid) -> None:
         """Save the snapshot taken after `steps_done` steps, on `grid` with `cfg`."""
         from raypar.checkpoint import checkpoint_dir
 
@@ -102,11 +118,8 @@ class Saver:
         meta = {"consumed_samples": consumed, "config": cfg.to_dict(),
                 "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep},
                 "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
-        ref = self._workers.save(str(self.root), steps_done, meta, update_ema)
+        ref = self._workers.save(str(self.root), steps_done, meta)
         self._pending = (steps_done, ref, time.perf_counter())
-
-    def update_ema(self) -> None:
-        self._workers.update_ema(str(self.root))
 
     def wait_exports(self) -> float:
         """Wait until the last snapshot left the workers (its buffers are reused next)."""
@@ -130,7 +143,8 @@ class Saver:
             self.log(f"checkpoint: saving step {step} failed ({type(e).__name__}); its partial files are "
                      f"removed at the next save, the last committed checkpoint stays valid")
             return
-        result = SaveResult(step, r["path"], r["bytes"], r["write_s"], time.perf_counter() - t0)
+        result = SaveResult(step, r["path"], r["bytes"], r["write_s"], time.perf_counter() - t0,
+                            copy_wait_s=r["copy_wait_s"], commit_s=r["commit_s"])
         self._record(result)
         self.log(f"checkpoint: step {step} committed, {result.bytes / 2**20:.1f} MiB at "
                  f"{result.write_bytes_per_s / 2**20:.0f} MiB/s -> {result.path}")
@@ -170,7 +184,7 @@ class Saver:
 
     # -- resuming ----------------------------------------------------------------------------
 
-    def checkpoint_path(self, spec: str | None, recovering: bool) -> Path | None:
+    def checkpoint_path(self, spec: str | None, recovering: bool) -> Location | None:
         """The checkpoint `spec` names, or None when the run starts from step 0.
 
         "latest" is the newest committed checkpoint that verifies (manifest and shard files);
@@ -197,7 +211,7 @@ class Saver:
             raise CheckpointError(f"no committed checkpoint under {self.root} verifies")
         return path
 
-    def resume(self, path: Path | None, cfg: Config, grid: Grid, fall_back: bool = False) -> Resumed:
+    def resume(self, path: Location | None, cfg: Config, grid: Grid, fall_back: bool = False) -> Resumed:
         """Load checkpoint `path` (`checkpoint_path`) into the workers (`start` first); None:
         the run starts from step 0. With `fall_back` (the path came from "latest"), a
         checkpoint whose tensors fail to load (a checksum mismatch) is set aside for the next
@@ -209,17 +223,17 @@ class Saver:
                 if path is None or not fall_back or self.policy.checkpoint.resume_strict \
                         or isinstance(e, ModelMismatchError):
                     raise
-                self._set_aside(Path(path), str(e))
+                self._set_aside(path, str(e))
                 path = self.checkpoint_path("latest", recovering=False)
 
-    def _set_aside(self, path: Path, why: str) -> None:
+    def _set_aside(self, path: Location, why: str) -> None:
         from raypar.checkpoint import set_aside
 
         moved = set_aside(path)
         self.log(f"raypar: checkpoint {path} is corrupt ({why}); moved it to {moved} and going on from the one "
                  f"before it (checkpoint.resume_strict=true fails instead)")
 
-    def _load(self, path: Path | None, cfg: Config, grid: Grid) -> Resumed:
+    def _load(self, path: Location | None, cfg: Config, grid: Grid) -> Resumed:
         from raypar.checkpoint import read_manifest
 
         if path is None:
@@ -238,8 +252,6 @@ class Saver:
             )
         topology = {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep}
         loaded = self._workers.load(str(path), same_grid=manifest.topology == topology)
-        if self.policy.checkpoint.ema_decay:
-            self._workers.load_ema(str(self.root), str(path))
         self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
                  f"saved on grid {manifest.topology})")
         return Resumed(manifest.step, manifest.consumed_samples, path, loaded, time.perf_counter() - t0)

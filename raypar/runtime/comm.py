@@ -76,6 +76,22 @@ def check_world(device: torch.device, timeout: timedelta) -> None:
         raise CollectiveTimeout(f"peer check over the world summed {total:g}, not {world}: a peer is broken")
 
 
+def queue_world_check(device: torch.device, timeout: timedelta) -> torch.Tensor:
+    """`check_world` without waiting on the host: the all-reduce is queued and the stream
+    waits for it, so whatever is queued next (a snapshot's copies) sees its result. Returns
+    the one-element sum, which must read the world size (`world_check_failed`)."""
+    one = torch.ones(1, device=device)
+    _wait(dist.all_reduce(one, async_op=True), timeout, "peer check over the world")
+    return one
+
+
+def world_check_failed(total: torch.Tensor) -> str | None:
+    """None when `queue_world_check`'s sum (copied to the host) reads the world size, else why not."""
+    world = dist.get_world_size()
+    value = float(total.reshape(-1)[0])
+    return None if int(value) == world else f"peer check over the world summed {value:g}, not {world}: a peer is broken"
+
+
 def _wait(work, timeout: timedelta, what: str) -> None:
     # No per-call timeout: on NCCL that would block the CPU until the kernel finishes and
     # stop it from queueing the next compute. The process group's own timeout bounds the

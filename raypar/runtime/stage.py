@@ -23,7 +23,8 @@ from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
-from raypar.runtime.comm import all_reduce_, check_world, connect_neighbours, exchange
+from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world, connect_neighbours, exchange,
+                                 queue_world_check, world_check_failed)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
@@ -31,6 +32,10 @@ from raypar.runtime.snapshot import StateSnapshot
 from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors, takes_snapshots
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
+
+# The snapshot's copy of the peer check's sum (`start_snapshot`), never written.
+PEER_CHECK = "peer_check"
+
 
 @dataclass
 class _StepState:
@@ -129,6 +134,8 @@ class StageRuntime:
         self.model.recompute = self.recompute == "block"
         self.model.on_block_input = lambda t: self.tracker.hold(self._mb, t)
         self.optimizer = MasterOptimizer(self.model, cfg.train)
+        if cfg.checkpoint.ema_decay > 0:
+            self.optimizer.enable_ema()  # from the initial weights; a checkpoint load replaces it
         self.tracker = ActivationTracker(list(self.model.parameters()))
         self.act_dtype = next(self.model.parameters()).dtype
         self.clock = StepClock(device)
@@ -204,6 +211,9 @@ class StageRuntime:
                 # The last snapshot's copies must be done before the optimizer writes.
                 stall += self.snapshot.wait()
                 lr = self.optimizer.step(step, grad_norm)
+                c = self.cfg.checkpoint
+                if c.ema_decay > 0 and (step + 1) % c.ema_every == 0:
+                    self.optimizer.update_ema(c.ema_decay)
             else:
                 self._issue(state, unit)
             self._end_unit(state, head, begin)
@@ -477,21 +487,33 @@ class StageRuntime:
     def start_snapshot(self, step: int, save_optimizer: bool = True, save_master: bool = True) -> float:
         """Mark this worker's checkpoint share for copying to host memory; returns the stall.
 
-        Every worker first checks its peers over the world: GPU workers keep their processes
+        Every worker checks its peers over the world: GPU workers keep their processes
         after NCCL errors (GPU_ENV in actors/placement.py), so a collective the watchdog
         aborted may leave garbage without raising where it ran, and that must not be saved.
-        Then only the RNG states are taken; the copies are issued beside the next step
-        (`StateSnapshot`), and its optimizer step waits for them.
+        The check is queued, not waited for: its sum is copied with the snapshot and read
+        before the shard is written (`snapshot_for_writing`), so the host does not drain the
+        device here. Then only the RNG states are taken; the copies are issued beside the
+        next step (`StateSnapshot`), and its optimizer step waits for them.
         """
         t0 = time.perf_counter()
-        check_world(self.device, self.timeout)
+        check = queue_world_check(self.device, self.timeout)
 
         def collect() -> dict[str, torch.Tensor]:
-            return state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
-                                 save_optimizer=save_optimizer, save_master=save_master, with_rng=False)
+            tensors = state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
+                                    save_optimizer=save_optimizer, save_master=save_master, with_rng=False)
+            return {**tensors, PEER_CHECK: check}
 
         self.snapshot.begin(step, collect, rng_states(self.rank, self.device), cuda=self.device.type == "cuda")
         return time.perf_counter() - t0
+
+    def snapshot_for_writing(self) -> dict[str, torch.Tensor]:
+        """The last snapshot's tensors in host memory, once copied and its peer check passed."""
+        tensors = dict(self.snapshot.host_tensors())
+        check = tensors.pop(PEER_CHECK, None)
+        why = None if check is None else world_check_failed(check)
+        if why is not None:
+            raise CollectiveTimeout(f"step {self.snapshot.step}'s snapshot is not saved: {why}")
+        return tensors
 
     def load_checkpoint(self, read, names: set[str], same_grid: bool) -> list[str]:
         self._drop_ahead()

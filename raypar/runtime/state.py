@@ -2,9 +2,9 @@
 
 Names are topology-free: `<param>` (weights in the model dtype), `master.<param>` (fp32
 master weights, bf16 models only), `optim.exp_avg.<param>`, `optim.exp_avg_sq.<param>`,
-`optim.step.<param>` (AdamW), `rng.rank<r>.cpu` / `rng.rank<r>.cuda`. Replicas hold equal
-copies; only one of them writes each tensor: dp rank 0 writes experts, dp rank 0 and ep
-rank 0 write everything else.
+`optim.step.<param>` (AdamW), `ema.<param>` (fp32 EMA of the masters, when kept),
+`rng.rank<r>.cpu` / `rng.rank<r>.cuda`. Replicas hold equal copies; only one of them
+writes each tensor: dp rank 0 writes experts, dp rank 0 and ep rank 0 write everything else.
 """
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ def writes(coord: Coord, name: str) -> bool:
 
 
 def _pieces(optimizer: MasterOptimizer):
-    """(checkpoint name, parameter, fp32 master, AdamW state) of each tensor a checkpoint
-    names, as views: a stacked expert parameter is one piece per expert."""
-    for (name, param), master in zip(optimizer.named_params, optimizer.master):
+    """(checkpoint name, parameter, fp32 master, AdamW state, EMA or None) of each tensor a
+    checkpoint names, as views: a stacked expert parameter is one piece per expert."""
+    emas = optimizer.ema or [None] * len(optimizer.master)
+    for (name, param), master, ema in zip(optimizer.named_params, optimizer.master, emas):
         state = optimizer.optimizer.state.get(master, {})
         for key, index in optimizer.slices[name]:
             # The step count is one scalar per parameter, shared by its experts.
-            yield key, param[index], master[index], {k: v if v.ndim == 0 else v[index] for k, v in state.items()}
+            yield (key, param[index], master[index], {k: v if v.ndim == 0 else v[index] for k, v in state.items()},
+                   None if ema is None else ema[index])
 
 
 def _written(optimizer: MasterOptimizer, coord: Coord | None):
@@ -49,8 +51,10 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
                   with_rng: bool = True) -> dict[str, torch.Tensor]:
     """This worker's share of the state (all it holds when coord is None), as live tensors."""
     out: dict[str, torch.Tensor] = {}
-    for name, param, master, state in _written(optimizer, coord):
+    for name, param, master, state, ema in _written(optimizer, coord):
         out[name] = param.detach()
+        if ema is not None:
+            out[f"ema.{name}"] = ema
         if optimizer.mixed and save_master:
             out[f"master.{name}"] = master.detach()
         if save_optimizer:
@@ -74,16 +78,18 @@ def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer
                  save_master: bool = True) -> Layout:
     """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), from
     the parameters alone: AdamW's moments are shaped like the masters."""
-    params = [(name, param.shape, param.dtype) for name, param, _, _ in _written(optimizer, coord)]
-    return params_layout(params, optimizer.mixed, save_optimizer, save_master)
+    params = [(name, param.shape, param.dtype) for name, param, *_ in _written(optimizer, coord)]
+    return params_layout(params, optimizer.mixed, save_optimizer, save_master, ema=optimizer.ema is not None)
 
 
 def params_layout(params: Iterable[tuple[str, torch.Size, torch.dtype]], mixed: bool, save_optimizer: bool = True,
-                  save_master: bool = True) -> Layout:
+                  save_master: bool = True, ema: bool = False) -> Layout:
     """`state_layout` from parameters' (name, shape, dtype) alone (e.g. a meta-device stage's)."""
     out: Layout = {}
     for name, shape, dtype in params:
         out[name] = (shape, dtype)
+        if ema:
+            out[f"ema.{name}"] = (shape, torch.float32)
         master_dtype = torch.float32 if mixed else dtype  # mixed: fp32 masters; else the parameter is its master
         if mixed and save_master:
             out[f"master.{name}"] = (shape, master_dtype)
@@ -96,8 +102,8 @@ def params_layout(params: Iterable[tuple[str, torch.Size, torch.dtype]], mixed: 
 
 
 def takes_snapshots(cfg: Config) -> bool:
-    """Whether a run copies state to host: checkpoint saves or an EMA of the weights."""
-    return cfg.checkpoint.every > 0 or cfg.checkpoint.ema_decay > 0
+    """Whether a run copies state to host: checkpoint saves."""
+    return cfg.checkpoint.every > 0
 
 
 def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid) -> list[tuple[torch.Size, torch.dtype]]:
@@ -109,7 +115,7 @@ def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid) -> list[tuple[torch.S
     for stage in range(grid.pp):
         params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep)
         mixed = any(dtype != torch.float32 for _, _, dtype in params)
-        most |= Counter(params_layout(params, mixed, c.save_optimizer, c.save_master).values())
+        most |= Counter(params_layout(params, mixed, c.save_optimizer, c.save_master, c.ema_decay > 0).values())
     return list(most.elements())
 
 
@@ -118,26 +124,31 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     """Fill parameters, masters and AdamW state from `read(name) -> Tensor`.
 
     `names` is what the checkpoint holds. Masters come from `master.<p>` when saved, else
-    from the weights. `rank` restores this rank's RNG (same grid only; None skips it).
+    from the weights; an EMA (when kept) from `ema.<p>`, else it restarts from the
+    weights. `rank` restores this rank's RNG (same grid only; None skips it).
     `read` runs on `threads` threads, in order, ahead of the copies (`read_ahead`).
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
     """
     missing_optim, plan = [], []
     pieces = list(_pieces(optimizer))
-    for name, _, _, _ in pieces:
+    for name, _, _, _, ema in pieces:
         if name not in names:
             raise KeyError(name)
         plan.append(f"master.{name}" if optimizer.mixed and f"master.{name}" in names else name)
+        if ema is not None and f"ema.{name}" in names:
+            plan.append(f"ema.{name}")
         if f"optim.exp_avg.{name}" in names:
             plan += [f"optim.{key}.{name}" for key in ADAM_STATE]
         else:
             missing_optim.append(name)
     values = read_ahead(read, plan, threads)
     with torch.no_grad():
-        for name, param, master, state in pieces:
+        for name, param, master, state, ema in pieces:
             master.copy_(next(values))
             if optimizer.mixed:
                 param.copy_(master)
+            if ema is not None:
+                ema.copy_(next(values) if f"ema.{name}" in names else master)
             if name in missing_optim:
                 for t in state.values():
                     t.zero_()  # AdamW starts fresh, on a live worker too
