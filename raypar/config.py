@@ -155,7 +155,7 @@ class CheckpointConfig:
     keep_last: int = 2  # committed checkpoints kept; older ones are deleted after a commit
     save_optimizer: bool = True  # AdamW moments and step counts
     save_master: bool = True  # fp32 master weights of a bf16 model
-    when_busy: Literal["wait", "skip"] = "wait"  # a save due while the last is still writing
+    when_busy: Literal["wait", "skip"] = "wait"  # a save due while the last is still writing (the final save waits)
     timeout_s: float = 600.0  # longest wait for a save to commit or a load to finish
     resume: str | None = None  # "latest", a checkpoint path or a step: continue from it
     # With resume=latest (and after a failure): fail when the newest committed checkpoint does

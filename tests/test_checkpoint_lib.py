@@ -414,3 +414,35 @@ def test_export_hf_include_and_collisions(training_ckpt, tmp_path: pathlib.Path)
         export_hf(ckpt, tmp_path / "hf2", rename=lambda n: "x")
     with pytest.raises(CheckpointError, match="no tensor"):
         export_hf(ckpt, tmp_path / "hf3", include=lambda n: False)
+
+
+def test_a_writer_killed_while_persisting_leaves_no_shard_and_nothing_listed(tmp_path: pathlib.Path) -> None:
+    """SIGKILL halfway through a shard's bytes: at most a stray .tmp in an uncommitted
+    directory, which cleanup removes; the checkpoint before it still loads."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root = tmp_path / "ckpt"
+    _save(checkpoint_dir(root, 1), {"s.safetensors": [_whole("w", torch.arange(6.0))]})
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import raypar.checkpoint.writer as writer
+        from raypar.checkpoint import checkpoint_dir, write_shard
+
+        def die_halfway(f, header, tensors):
+            f.write(b"x" * (1 << 20))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer._write_safetensors = die_halfway
+        write_shard(checkpoint_dir({str(root)!r}, 2), "shard-00000.safetensors",
+                    [("w", torch.zeros(1 << 20), (0,), (1 << 20,))])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    partial = checkpoint_dir(root, 2)
+    assert not (partial / "shard-00000.safetensors").exists()
+    assert [s for s, _ in list_committed(root)] == [1]
+    assert cleanup_uncommitted(root) == [partial]
+    with CheckpointReader(checkpoint_dir(root, 1)) as r:
+        assert torch.equal(r.read("w"), torch.arange(6.0))

@@ -159,15 +159,35 @@ def test_resume_latest_passes_over_a_corrupt_newest_checkpoint(ray_session, tmp_
     assert [s for s, _ in list_committed(root)] == [5, 10]
 
 
-@pytest.mark.parametrize("target", [(1, 2, 1), (2, 1, 1)], ids=lambda g: "x".join(map(str, g)))
-def test_ema_resumed_on_the_same_or_another_grid_equals_an_uninterrupted_runs(ray_session, tmp_path, data, target):
+def test_ema_resumed_on_the_same_or_another_grid_equals_an_uninterrupted_runs(ray_session, tmp_path, data):
     ema = {"ema_decay": 0.7, "ema_every": 2}
     Trainer(config(tmp_path, "full", steps=6, every=3, **ema)).fit()
     saved = checkpoint_dir(tmp_path / "full" / "ckpt", 3)
-    Trainer(config(tmp_path, "resumed", grid=target, steps=6, every=3, resume=str(saved), **ema)).fit()
-    with CheckpointReader(latest(tmp_path / "full" / "ckpt")) as a, \
-            CheckpointReader(latest(tmp_path / "resumed" / "ckpt")) as b:
+    with CheckpointReader(latest(tmp_path / "full" / "ckpt")) as a:
         names = [n for n in a.names() if n.startswith("ema.")]
-        assert names and names == [n for n in b.names() if n.startswith("ema.")]
-        for name in names:
-            torch.testing.assert_close(b.read(name), a.read(name), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        want = {n: a.read(n) for n in names}
+    assert names
+    for target in [(1, 2, 1), (2, 1, 1)]:
+        name = "resumed-" + "x".join(map(str, target))
+        Trainer(config(tmp_path, name, grid=target, steps=6, every=3, resume=str(saved), **ema)).fit()
+        with CheckpointReader(latest(tmp_path / name / "ckpt")) as b:
+            assert names == [n for n in b.names() if n.startswith("ema.")]
+            for n in names:
+                torch.testing.assert_close(b.read(n), want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{target} {n}: {m}")
+
+
+def test_the_final_save_waits_for_the_one_still_writing_even_with_when_busy_skip(ray_session, tmp_path):
+    import time
+
+    from raypar.driver.saver import Saver
+
+    @ray.remote
+    def slow_commit():
+        time.sleep(1.0)
+        return {"path": "p", "bytes": 1, "write_s": 0.5, "copy_wait_s": 0.0, "commit_s": 0.0}
+
+    saver = Saver(config(tmp_path, "run", every=1, when_busy="skip"), tmp_path, log=lambda m: None)
+    saver._pending = (1, slow_commit.remote(), time.perf_counter())  # a save still writing
+    assert saver.ready_for() == (False, 0.0) and saver.skipped == 1
+    go, waited = saver.ready_for(final=True)
+    assert go and waited > 0.5 and [r.error for r in saver.results] == [None]

@@ -245,7 +245,7 @@ class Controller:
         policy, gbs = self.saver.policy, self.cfg.train.global_batch_size
         save, stall = policy.save_due(step + 1), 0.0
         if save:
-            save, stall = self.saver.ready_for()
+            save, stall = self.saver.ready_for(final=step + 1 == self.cfg.train.steps)
         snapshot = None
         if save:
             # The last snapshot's buffers are reused: it must have left the workers.

@@ -83,12 +83,13 @@ class Saver:
         if self.policy.checkpoint.every > 0:
             workers.start_writers(str(self.root), self.timeout_s)
 
-    def ready_for(self) -> tuple[bool, float]:
-        """May a save start now? Returns (go, seconds the loop was held up deciding)."""
+    def ready_for(self, final: bool = False) -> tuple[bool, float]:
+        """May a save start now? Returns (go, seconds the loop was held up deciding). The
+        run's final save is never skipped: it waits for the one still writing."""
         self.poll()
         if self._pending is None:
             return True, 0.0
-        if self.when_busy == "skip":
+        if self.when_busy == "skip" and not final:
             self.skipped += 1
             self.log(f"checkpoint: step {self._pending[0]} is still being written; skipping this save "
                      f"(checkpoint.when_busy=skip)")

@@ -2,9 +2,9 @@
 
 A snapshot is taken in two halves. At the end of a step the step's thread only marks the
 point to copy (a CUDA event) and keeps the RNG states (`begin`); the copies are issued by
-whichever thread needs them first (`issue`): usually the export to the checkpoint writer,
-which runs on its own thread beside the next step, else the next optimizer step, which
-must not write the state before it is copied. On GPU the copies run on a side stream into
+whichever thread needs them first (`issue`): usually the shard write, which runs on its
+own thread beside the next step, else the next optimizer step, which must not write the
+state before it is copied (its stream waits for the copies on the device: `fence`). On GPU the copies run on a side stream into
 pinned buffers that are reused across saves; on CPU they are plain copies.
 
 Pinning host memory is slow (seconds for the gigabytes of a 1B model's state), so the
@@ -131,6 +131,17 @@ class StateSnapshot:
                 self._event.synchronize()
             buffers, self._buffers, self._names = self._buffers, {}, []
         return buffers
+
+    def fence(self) -> float:
+        """Order the copies before what the current stream runs next (an optimizer step that
+        overwrites the copied tensors), issuing them if no thread has, without the host
+        waiting for them; returns the seconds spent."""
+        t0 = time.perf_counter()
+        self.issue()
+        event = self._event
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        return time.perf_counter() - t0
 
     def wait(self) -> float:
         """Block until the copies are done (issuing them if no one has); returns the seconds spent."""

@@ -208,8 +208,9 @@ class StageRuntime:
                 grad_norm, grads = self._reduce_grads(capture_grads)
             elif head.op == Op.STEP:
                 readback = readback or self._read_back(state.losses, grad_norm)  # before the optimizer writes
-                # The last snapshot's copies must be done before the optimizer writes.
-                stall += self.snapshot.wait()
+                # The last snapshot's copies must be done before the optimizer writes: the
+                # device waits for them, the host goes on queueing.
+                stall += self.snapshot.fence()
                 lr = self.optimizer.step(step, grad_norm)
                 c = self.cfg.checkpoint
                 if c.ema_decay > 0 and (step + 1) % c.ema_every == 0:
