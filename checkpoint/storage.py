@@ -135,21 +135,45 @@ def read_bytes(path: Location, offset: int = 0, length: int | None = None) -> by
 
 def write(path: Location, fill: Callable[[BinaryIO], None]) -> None:
     """Have `fill` write the file at `path` so that readers see the whole file or none:
-    locally a temporary sibling, fsync'd and renamed over (a crash leaves at most a stray
-    `*.tmp`); on a store one upload, which a process killed midway never completes."""
+    locally a temporary sibling, fsync'd and renamed over (`write_local`); on a store one
+    upload, which a process killed midway never completes (one that raises is deleted)."""
     if is_uri(path):
         fs, inner = _remote(path)
         stream = fs.open_output_stream(inner)
-        fill(stream)  # an exception leaves the upload unfinished: nothing appears
+        try:
+            fill(stream)
+        except BaseException:
+            # pyarrow cannot abort an upload: closing completes it, so the partial object
+            # goes at once (no manifest names it, and a commit would refuse its length).
+            stream.close()
+            delete_file(path)
+            raise
         stream.close()
         return
+
+    def fill_file(tmp: Path) -> None:
+        with open(tmp, "wb", buffering=0) as f:
+            fill(f)
+
+    write_local(local(path), fill_file)
+
+
+def write_local(path: Location, fill: Callable[[Path], None]) -> None:
+    """Have `fill` write a temporary sibling of local `path`, make it durable, rename it over.
+
+    Readers therefore see either the old file or the complete new one, and after a crash
+    at worst a stray ``*.tmp`` in an uncommitted directory.
+    """
     path = local(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb", buffering=0) as f:
-            fill(f)
-            os.fsync(f.fileno())
+        fill(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -13,10 +13,9 @@ checkpoint's manifest before its shards.
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from . import storage
@@ -53,24 +52,8 @@ def resolve_inside(ckpt_dir: Location, file: str) -> Location:
     return path
 
 
-def atomic_write(path: Path | str, fill: Callable[[Path], None]) -> None:
-    """Have ``fill`` write a temporary sibling of local ``path``, make it durable, rename it
-    over (for writers that take a file name; ``storage.write`` takes a stream and URIs).
-
-    Readers therefore see either the old file or the complete new one, and after a
-    crash at worst a stray ``*.tmp`` in an uncommitted directory.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        fill(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+# For writers that take a file name (parquet, text); `storage.write` takes a stream and URIs.
+atomic_write = storage.write_local
 
 
 def read_manifest(ckpt_dir: Location) -> Manifest:
@@ -283,14 +266,3 @@ def _safetensors_header(path: Location, ckpt_dir: Location) -> dict:
             f"announces {8 + n + end} (truncated or overwritten)"
         )
     return header
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_fsync_dir = storage.fsync_dir

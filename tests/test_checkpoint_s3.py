@@ -88,3 +88,22 @@ def test_a_process_killed_mid_upload_leaves_nothing_listed(tmp_path, s3_root):
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     assert list_committed(root) == []
     assert not storage.is_file(storage.join(checkpoint_dir(root, 7), "shard-00000.safetensors"))
+
+
+def test_a_shard_write_that_raises_leaves_no_object(s3_root, monkeypatch):
+    import torch
+
+    import raypar.checkpoint.writer as writer
+    from raypar.checkpoint import write_shard
+
+    root = s3_root("raised")
+
+    def fail_halfway(f, header, tensors):
+        f.write(b"x" * 1024)
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(writer, "_write_safetensors", fail_halfway)
+    with pytest.raises(OSError, match="disk went away"):
+        write_shard(checkpoint_dir(root, 3), "shard-00000.safetensors", [("w", torch.zeros(8), (0,), (8,))])
+    assert not storage.is_file(storage.join(checkpoint_dir(root, 3), "shard-00000.safetensors"))
+    assert list_committed(root) == []
