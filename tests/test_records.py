@@ -17,13 +17,15 @@ def test_summary_prints_with_device_memory_checkpoints_and_a_recovery():
         steps=8, grid="dp=1 x pp=2 x ep=1", schedule="1f1b", microbatches=4, device="cuda", final_loss=2.5,
         tokens_per_s=1000.0, step_time_s=0.3, bubble_measured=0.1, bubble_simulated=0.12, control_overhead=0.01,
         peak_activation_bytes=[2**20, 2**21], peak_device_bytes=[3 * 2**30, 2**30], consumed_samples=64,
-        checkpoints=[{"step": 4, "path": "/c/4", "bytes": 8 * 2**20, "write_s": 0.5, "duration_s": 1.0, "error": None},
+        checkpoints=[{"step": 4, "path": "/c/4", "bytes": 8 * 2**20, "write_s": 0.5, "duration_s": 1.0, "error": None,
+                      "copy_wait_s": 0.125, "commit_s": 0.25},
                      {"step": 8, "path": None, "bytes": 0, "write_s": 0.0, "duration_s": 0.0, "error": "lost"}],
         checkpoint_stall_s=0.002, recoveries=[recovery.to_dict()], mfu=0.41)
     text = summary.format()
     assert "tokens/s            1,000  (MFU 41.0%)" in text
     assert "peak device memory  stage 0: 3072.00 MiB  stage 1: 1024.00 MiB" in text
     assert "checkpoints         1 committed, 1 failed, 0 skipped; 8.0 MiB each, written at 16 MiB/s" in text
+    assert "checkpoint path     1.00 s snapshot to commit: copies 0.12 s, write 0.50 s, commit 0.25 s" in text
     assert "recovery 1" in text and "3 steps redone" in text
 
 

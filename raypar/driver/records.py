@@ -183,6 +183,10 @@ class RunSummary:
                 timed = [c["bytes"] / c["write_s"] for c in ok if c["write_s"] > 0]
                 line += f"; {_mib(each, 1)} each, written at {fmean(timed) / 2**20 if timed else 0.0:.0f} MiB/s"
             lines.append(line)
+            if ok:
+                mean = lambda key: fmean(c.get(key, 0.0) for c in ok)  # noqa: E731
+                lines.append(f"checkpoint path     {mean('duration_s'):.2f} s snapshot to commit: copies "
+                             f"{mean('copy_wait_s'):.2f} s, write {mean('write_s'):.2f} s, commit {mean('commit_s'):.2f} s")
             share = per_save / self.step_time_s * 100 if self.step_time_s else 0.0
             lines.append(f"checkpoint stall    {per_save * 1000:.1f} ms per save ({share:.2f}% of a step)")
         for r in self.recoveries:
