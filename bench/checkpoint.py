@@ -209,7 +209,6 @@ def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> 
     saved.update(path=ok[-1]["path"], bytes=ok[-1]["bytes"], step=ok[-1]["step"], step_time_s=clean_step_s)
     nbytes = statistics.fmean(c["bytes"] for c in ok)
     write_s = statistics.fmean(c["write_s"] for c in ok)
-    copy_s = statistics.fmean(c["copy_wait_s"] for c in ok)
     stages = {k: statistics.fmean(c[k] for c in ok) for k in ("copy_wait_s", "write_s", "commit_s", "duration_s")}
     rows = [ctx.row(label, cfg, summary, bytes=nbytes, stall_s=stalls[0] if stalls else 0.0,
                     stall_mean_s=statistics.fmean(stalls) if stalls else 0.0, stalls_s=stalls,
@@ -218,7 +217,8 @@ def raypar_save_rows(ctx: "Context", cfg: "Config", every: int, saved: dict) -> 
                     save_duration_s=statistics.fmean(c["duration_s"] for c in ok), clean_step_s=clean_step_s,
                     saves_skipped=summary.checkpoints_skipped, saves_committed=len(ok), save_stages_s=stages,
                     # A worker's share over its wait for the copies: the snapshot's device-to-host speed.
-                    snapshot_bytes_per_s=nbytes / cfg.parallel.pp / copy_s if copy_s else None,
+                    snapshot_bytes_per_s=(nbytes / cfg.parallel.pp / stages["copy_wait_s"]
+                                          if stages["copy_wait_s"] else None),
                     loop_tokens_per_s=loop_tokens_per_s(cfg, summary),
                     end_to_end_bytes_per_s=statistics.fmean(c["bytes"] / c["duration_s"] for c in ok))]
     if load.load_s is not None:

@@ -10,7 +10,9 @@ read of its bytes.
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from . import storage, store
-from .manifest import CheckpointError, Manifest, PieceEntry, TensorEntry, tensor_checksum
+from .manifest import SAFETENSORS_DTYPES, CheckpointError, Manifest, PieceEntry, TensorEntry, tensor_checksum
 from .storage import Location
 
 
@@ -191,9 +193,7 @@ class CheckpointReader:
         return handle
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class _RemoteShard:
@@ -201,9 +201,6 @@ class _RemoteShard:
     each tensor one ranged read."""
 
     def __init__(self, path: str):
-        import json
-        import struct
-
         self.path = path
         (n,) = struct.unpack("<Q", storage.read_bytes(path, 0, 8))
         self.header = json.loads(storage.read_bytes(path, 8, n))

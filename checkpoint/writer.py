@@ -20,9 +20,9 @@ from typing import BinaryIO
 import torch
 
 from . import storage, store
-from .storage import Location
 from .manifest import (
     CheckpointError,
+    SAFETENSORS_DTYPES,
     PieceEntry,
     TensorEntry,
     check_relative_path,
@@ -30,16 +30,11 @@ from .manifest import (
     dtype_name,
     tensor_checksum,
 )
+from .storage import Location
 
 PieceSpec = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
 PieceResult = tuple[str, str, PieceEntry]
 
-# safetensors' names of the dtypes a checkpoint may hold.
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 _WRITE_CHUNK = 64 << 20  # one write call's bytes (Linux writes at most ~2 GiB per call)
 CHECKSUM_THREADS = 4
 
@@ -79,9 +74,9 @@ def write_shard(ckpt_dir: Location, file: str, pieces: list[PieceSpec]) -> list[
         key = piece_key(name, offsets)
         if key in tensors:
             raise CheckpointError(f"piece of {name!r} at offsets {offsets} given twice for {file}")
-        if local.dtype not in _SAFETENSORS_DTYPES:
+        if local.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"piece of {name!r} for {file}: dtype {local.dtype} cannot be saved "
-                                  f"(one of {', '.join(dtype_name(d) for d in _SAFETENSORS_DTYPES)} can)")
+                                  f"(one of {', '.join(dtype_name(d) for d in SAFETENSORS_DTYPES)} can)")
         tensors[key] = local
         entries.append((name, offsets, local))
     header = _header(tensors, {"format": "pt", "producer": "raypar.checkpoint"})
@@ -102,7 +97,8 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> by
     offset = 0
     for key, t in tensors.items():
         size = t.numel() * t.element_size()
-        doc[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        doc[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                    "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(doc, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)

@@ -68,12 +68,9 @@ def check_world(device: torch.device, timeout: timedelta) -> None:
     One element summed over the world: a communicator aborted after a timeout (whose
     collectives then leave garbage without raising where they ran) fails here instead.
     """
-    one = torch.ones(1, device=device)
-    _wait(dist.all_reduce(one, async_op=True), timeout, "peer check over the world")
-    world = dist.get_world_size()
-    total = float(host_wait.to_host(one, "peer check over the world"))
-    if int(total) != world:
-        raise CollectiveTimeout(f"peer check over the world summed {total:g}, not {world}: a peer is broken")
+    why = world_check_failed(host_wait.to_host(queue_world_check(device, timeout), "peer check over the world"))
+    if why is not None:
+        raise CollectiveTimeout(why)
 
 
 def queue_world_check(device: torch.device, timeout: timedelta) -> torch.Tensor:
