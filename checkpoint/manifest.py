@@ -17,13 +17,19 @@ from typing import Any
 
 import torch
 
+from .storage import redact
+
 FORMAT_VERSION = 1
 
 _CHECKSUM_RE = re.compile(r"^crc32:[0-9a-f]{8}$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, corrupt, or does not hold what was asked for."""
+    """A checkpoint is missing, malformed, corrupt, or does not hold what was asked for.
+    Credentials of a storage URI in the message are replaced by ***."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(redact(str(message)))
 
 
 @dataclass(frozen=True)

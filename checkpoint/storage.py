@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,14 @@ from typing import BinaryIO
 from urllib.parse import urlsplit, urlunsplit
 
 Location = str | Path
+
+
+_CREDENTIALS = re.compile(r"(\w+://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of any URI in it (scheme://key:secret@...) replaced by ***."""
+    return _CREDENTIALS.sub(r"\1***@", text)
 
 
 def is_uri(path: Location) -> bool:

@@ -59,6 +59,8 @@ def test_training_saves_lists_rotates_and_resumes_on_another_grid_through_s3(ray
     root = s3_root("train")
     full = Trainer(run_config(tmp_path, "full", (1, 2, 1), 6, checkpoint={"every": 2, "keep_last": 2, "dir": root})).fit()
     assert [c["error"] for c in full.checkpoints] == [None] * 3
+    # The URI's credentials stay out of what the run writes and says.
+    assert all("testing:testing" not in c["path"] and "***@raypar" in c["path"] for c in full.checkpoints)
     assert [s for s, _ in list_committed(root)] == [4, 6]  # step 2 rotated away
     assert not storage.list_dir(checkpoint_dir(root, 2))  # its shards too, not only its manifest
     # The pp=2 checkpoint loads onto pp=1: each worker reads its pieces by ranged reads.
@@ -107,3 +109,12 @@ def test_a_shard_write_that_raises_leaves_no_object(s3_root, monkeypatch):
         write_shard(checkpoint_dir(root, 3), "shard-00000.safetensors", [("w", torch.zeros(8), (0,), (8,))])
     assert not storage.is_file(storage.join(checkpoint_dir(root, 3), "shard-00000.safetensors"))
     assert list_committed(root) == []
+
+
+def test_errors_name_a_storage_uri_without_its_credentials(s3_root):
+    from raypar.checkpoint import CheckpointError, resolve
+
+    with pytest.raises(CheckpointError) as e:
+        resolve(s3_root("empty"), "latest")
+    assert "no committed checkpoint under s3://***@raypar/empty" in str(e.value)
+    assert "testing:testing" not in str(e.value)

@@ -24,7 +24,7 @@ from typing import IO, Callable
 import ray
 
 from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
-from raypar.checkpoint.storage import Location
+from raypar.checkpoint.storage import Location, redact
 from raypar.config import Config
 from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
 from raypar.driver.callbacks import Callback
@@ -116,7 +116,8 @@ class Controller:
             records, grid=self.grid, schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
             device=self.device or "?", tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
             consumed=consumed, start_step=self.resumed.step,
-            checkpoints=[{**asdict(c), "write_bytes_per_s": c.write_bytes_per_s} for c in self.saver.results],
+            checkpoints=[{**asdict(c), "path": c.path and redact(c.path), "write_bytes_per_s": c.write_bytes_per_s}
+                         for c in self.saver.results],
             checkpoints_skipped=self.saver.skipped, restarts=self.restarts, recoveries=self.recoveries,
             controller_states=[state.value for _, state, _ in self.states.history])
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))

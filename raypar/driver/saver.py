@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from raypar.checkpoint import CheckpointError
-from raypar.checkpoint.storage import Location, is_uri
+from raypar.checkpoint.storage import Location, is_uri, redact
 from raypar.config import Config
 from raypar.driver.policies import SavePolicy
 from raypar.topology import Grid
@@ -68,7 +68,7 @@ class Saver:
         self.timeout_s = cfg.checkpoint.timeout_s
         self.when_busy = cfg.checkpoint.when_busy
         self.on_result = on_result
-        self.log = log
+        self.log = lambda message: log(redact(message))  # a storage URI may carry credentials
         self.root = _root(cfg.checkpoint.dir, run_dir)
         self.results: list[SaveResult] = []
         self.skipped = 0
