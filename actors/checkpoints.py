@@ -22,7 +22,7 @@ class WorkerCheckpoints:
     def __init__(self, group: WorkerGroup):
         self.group = group
         self.writers: dict = {}  # node id -> CheckpointWriter, started on first use
-        self._exports: list = []  # the last snapshot's shard writes, still reading the workers' buffers
+        self._shard_writes: list = []  # the last snapshot's shard writes, still reading the workers' buffers
 
     def _started_writers(self, root: str) -> dict:
         """One checkpoint writer per node that holds workers, pinned to that node: it removes
@@ -70,26 +70,26 @@ class WorkerCheckpoints:
         """Each worker writes its last snapshot as its shard; returns the commit's ObjectRef."""
         g = self.group
         writers = self._started_writers(root)
-        self._exports = [w.write_snapshot.remote(root, step) for w in g.workers]
-        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *self._exports)
+        self._shard_writes = [w.write_snapshot.remote(root, step) for w in g.workers]
+        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *self._shard_writes)
 
-    def wait_exports(self, timeout: float) -> float:
+    def wait_shard_writes(self, timeout: float) -> float:
         """Block until every worker has written the last snapshot (its host buffers get reused
         next); returns the seconds waited."""
         t0 = time.perf_counter()
-        exports, self._exports = self._exports, []
-        if exports:
-            ray.wait(exports, num_returns=len(exports), timeout=timeout)
+        writes, self._shard_writes = self._shard_writes, []
+        if writes:
+            ray.wait(writes, num_returns=len(writes), timeout=timeout)
         return time.perf_counter() - t0
 
-    def exports_done(self) -> bool:
+    def shard_writes_done(self) -> bool:
         """Whether every worker has written the last snapshot (no waiting)."""
-        done, _ = ray.wait(self._exports, num_returns=len(self._exports), timeout=0) if self._exports else ([], [])
-        return len(done) == len(self._exports)
+        done, _ = ray.wait(self._shard_writes, num_returns=len(self._shard_writes), timeout=0) if self._shard_writes else ([], [])
+        return len(done) == len(self._shard_writes)
 
-    def forget_exports(self) -> None:
-        """The workers that exported are gone or reset: nothing is left to wait for."""
-        self._exports = []
+    def forget_shard_writes(self) -> None:
+        """The workers that were writing are gone or reset: nothing is left to wait for."""
+        self._shard_writes = []
 
     # -- loads -----------------------------------------------------------------------------------
 
@@ -101,4 +101,4 @@ class WorkerCheckpoints:
 
     def shutdown(self) -> None:
         self.reset_writers()
-        self._exports = []
+        self._shard_writes = []

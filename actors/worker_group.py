@@ -76,7 +76,7 @@ class WorkerGroup:
         kept = self.reserve.salvage(timeout)
         self.workers, self.slots, self.info = [], [], []
         self.program_version, self.programs, self._units = 0, [], []
-        self.checkpoints.forget_exports()
+        self.checkpoints.forget_shard_writes()
         return kept
 
     def reconfigure(self, cfg: Config, grid: Grid, init_weights: bool = True) -> dict[str, int]:

@@ -56,10 +56,9 @@ def write_shard(ckpt_dir: Location, file: str, pieces: list[PieceSpec]) -> list[
         )
     tensors: dict[str, torch.Tensor] = {}
     entries: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
-    spans: list[tuple[int, int]] = []
     for name, tensor, offsets, global_shape in pieces:
         offsets, global_shape = tuple(int(o) for o in offsets), tuple(int(g) for g in global_shape)
-        local = _to_cpu_contiguous(tensor, spans)
+        local = tensor.detach().cpu().contiguous()
         shape = tuple(local.shape)
         if len(offsets) != local.ndim or len(global_shape) != local.ndim:
             raise CheckpointError(
@@ -157,22 +156,3 @@ def _flatten(results: Iterable) -> Iterable[PieceResult]:
             yield item
         else:
             yield from item
-
-
-def _to_cpu_contiguous(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    # safetensors refuses two entries backed by overlapping memory (e.g. tied weights
-    # written under both names); copying the later one sidesteps that. Disjoint views of
-    # one buffer are fine and are not copied.
-    if t.numel() > 0:
-        start = t.data_ptr()
-        span = (start, start + t.numel() * t.element_size())
-        if any(a < span[1] and span[0] < b for a, b in spans):
-            t = t.clone()
-            start = t.data_ptr()
-            span = (start, start + t.numel() * t.element_size())
-        spans.append(span)
-    return t

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from raypar.config import TrainConfig
+from raypar.kernels import ema_update_
 from raypar.model.experts import named_slices
 
 
@@ -74,8 +75,6 @@ class MasterOptimizer:
 
     def update_ema(self, decay: float) -> None:
         """ema = decay * ema + (1 - decay) * master, one multi-tensor launch on a GPU."""
-        from raypar.kernels import ema_update_
-
         ema_update_(self.ema, [m.detach() for m in self.master], decay)
 
     def _init_state(self) -> None:

@@ -250,7 +250,7 @@ class Controller:
         snapshot = None
         if save:
             # The last snapshot's buffers are reused: it must have left the workers.
-            stall += self.saver.wait_exports()
+            stall += self.saver.wait_shard_writes()
             snapshot = policy.snapshot_options()
 
         def ids_after(n: int) -> list[list[int]]:

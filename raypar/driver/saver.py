@@ -101,7 +101,7 @@ class Saver:
     def idle(self) -> bool:
         """No save in flight and the last snapshot written: a save may start without waiting."""
         self.poll()
-        return self._pending is None and self._workers.exports_done()
+        return self._pending is None and self._workers.shard_writes_done()
 
     def snapshot(self, step: int) -> None:
         """Snapshot the state after `step` (between steps) for a save."""
@@ -122,9 +122,9 @@ class Saver:
         ref = self._workers.save(str(self.root), steps_done, meta)
         self._pending = (steps_done, ref, time.perf_counter())
 
-    def wait_exports(self) -> float:
+    def wait_shard_writes(self) -> float:
         """Wait until the last snapshot left the workers (its buffers are reused next)."""
-        return self._workers.wait_exports(self.timeout_s)
+        return self._workers.wait_shard_writes(self.timeout_s)
 
     def poll(self, timeout: float = 0.0) -> None:
         import ray
@@ -194,15 +194,15 @@ class Saver:
         "latest", which may not exist yet: then the run starts over from step 0
         (initialisation is deterministic, so nothing differs).
         """
-        from raypar.checkpoint import list_committed, newest_verified, resolve
+        from raypar.checkpoint import newest_verified, resolve
 
         if spec is None:
             return None
         if spec != "latest":
             return resolve(self.root, spec)
-        if recovering and not list_committed(self.root):
-            return None
         path, passed = newest_verified(self.root)
+        if recovering and path is None and not passed:
+            return None  # nothing committed yet
         if passed and self.policy.checkpoint.resume_strict:
             raise CheckpointError(f"the newest checkpoint does not verify: {passed[0][1]} "
                                   "(checkpoint.resume_strict=false goes on from the newest one that does)")

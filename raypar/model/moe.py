@@ -217,7 +217,8 @@ class MoE(nn.Module):
         self.stats.alltoall_s += time.perf_counter() - t0
         return send_counts, recv_counts
 
-    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor, weight: Tensor) -> Tensor:
+    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor,
+                         weight: Tensor) -> Tensor:
         """`_exchange_and_run` without a host wait: each rank sends every peer n rows (n, its
         slot count, bounds what routing can send one rank), the routed ones first; rows past
         them are padding that no slot reads. The receiver finds its rows' experts from the
