@@ -16,8 +16,10 @@ import torch
 from raypar import host_wait, kernels
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
+from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.profile import profiled
+from raypar.runtime.recent_states import RecentStates, pack, unpack
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
 from raypar.schedule import Action
@@ -38,7 +40,7 @@ class StepRefused(RuntimeError):
     """A step queued behind one that failed on this worker (or after `abort`): it waits for `reset`."""
 
 
-@ray.remote(concurrency_groups={"io": 1, "control": 1, "report": 1})
+@ray.remote(concurrency_groups={"io": 1, "control": 1, "report": 1, "memory": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
         self.cfg: Config = config_from_dict(cfg)
@@ -58,6 +60,10 @@ class StageWorker:
         # Pinned host buffers of the last stage's checkpoint snapshots, kept across `reset`:
         # pinning them again costs seconds of the recovery's first steps.
         self._snapshot_buffers: dict[str, torch.Tensor] = {}
+        # This worker's newest states and a peer's (elastic.memory_every), kept across `reset`:
+        # a recovery restores from them. `_peer`: the worker its copies go to.
+        self.recent = RecentStates()
+        self._peer = None
         self.program_version = 0  # of the program set by set_program; 0: none yet
         # Set when a step failed or the driver aborted: the groups are broken and steps
         # queued behind (the driver sends the next step before the last one returns) are
@@ -127,6 +133,7 @@ class StageWorker:
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
+                "state_bytes": self.runtime.state_bytes(), "host_available_bytes": host_available_bytes(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status,
                 "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None}
@@ -138,11 +145,12 @@ class StageWorker:
 
     def run_step(self, step: int, version: int, sample_ids: list[int],
                  capture_grads: bool = False, snapshot: dict | None = None,
-                 next_sample_ids: list[int] | None = None) -> StepReport:
+                 next_sample_ids: list[int] | None = None, memory: bool = False) -> StepReport:
         """One step of program `version`; with `snapshot` (save options) the state after it
-        starts copying to host; with `next_sample_ids`, the next step's batch, whose first
-        forward may be issued ahead (`runtime.forward_ahead`). The report carries numbers,
-        not the program's labels."""
+        starts copying to host; with `memory`, all of it starts copying into this worker's
+        recent states (`elastic.memory_every`); with `next_sample_ids`, the next step's batch,
+        whose first forward may be issued ahead (`runtime.forward_ahead`). The report carries
+        numbers, not the program's labels."""
         if self.failed is not None:
             raise StepRefused(f"rank {self.rank}: step {step} not run: {self.failed}; the worker waits for reset")
         if version != self.program_version:
@@ -158,6 +166,8 @@ class StageWorker:
                 report = self.runtime.run_step(step, sample_ids, capture_grads, next_sample_ids)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
+            if memory:
+                report.checkpoint_stall_s += self.runtime.keep_recent(step, self.recent, self._send_replica)
         except BaseException as e:
             self.failed = f"step {step} failed ({type(e).__name__})"
             self._break_groups()
@@ -198,6 +208,54 @@ class StageWorker:
         return {"results": results, "shapes": {n: tuple(t.shape) for n, t in tensors.items()},
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                 "copy_wait_s": t1 - t0, "seconds": time.perf_counter() - t1}
+
+    # -- states in memory (elastic.memory_every) ------------------------------------------
+
+    def set_memory_peer(self, peer) -> None:
+        """The worker this one's copies go to (None: no other worker)."""
+        self._peer = peer
+
+    def _send_replica(self, steps_done: int) -> None:
+        """Send the copy of the state after `steps_done` steps to the peer and wait until it
+        holds it (the next copy waits too: it may reuse these buffers). Runs on the copy's
+        thread; a peer that is gone or slow costs that copy its replica, nothing else."""
+        peer = self._peer
+        if peer is None:
+            return
+        try:
+            ref = ray.put(pack(self.recent.own(steps_done)))
+            ray.get(peer.keep_replica.remote(self.rank, steps_done, [ref]), timeout=self.cfg.checkpoint.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the recovery falls back to an older step or storage
+            print(f"raypar: rank {self.rank}: the replica of step {steps_done} was not kept ({type(e).__name__}: {e})",
+                  flush=True)
+
+    @ray.method(concurrency_group="memory")
+    def keep_replica(self, rank: int, steps_done: int, refs: list) -> None:
+        """Keep a peer's state after `steps_done` steps, copied into this process's memory."""
+        self.recent.keep_replica(rank, steps_done, unpack(ray.get(refs[0])))
+
+    def memory_inventory(self) -> list[tuple[int, int]]:
+        """(rank, steps done) of every whole state this worker holds, its own and replicas."""
+        return self.recent.inventory()
+
+    def export_memory(self, rank: int, steps_done: int) -> tuple[list[str], list]:
+        """The names of `rank`'s state after `steps_done` steps, and it in the object store."""
+        tensors = self.recent.tensors(rank, steps_done)
+        return list(tensors), [ray.put(pack(tensors))]
+
+    def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool) -> dict:
+        """Load this worker's state from `export_memory` results, fetching only the sources
+        that hold some of it; returns its rank and the bytes loaded."""
+        needed = self.runtime.state_names()
+        tensors: dict[str, torch.Tensor] = {}
+        for names, refs in sources:
+            if needed.intersection(names):
+                tensors.update(unpack(ray.get(refs[0]), needed))
+        self.runtime.load_checkpoint(tensors.__getitem__, set(tensors), same_grid)
+        return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
+
+    def clear_memory(self) -> None:
+        self.recent.clear()
 
     def load_checkpoint(self, path: str, same_grid: bool) -> dict:
         """Load this worker's share of checkpoint `path`; returns how many bytes it read."""

@@ -1,8 +1,9 @@
 """The stage workers of one grid: placed together, wired into process groups, stepped.
 
-The group has two parts of its own, each in its file: `reserve` (what it keeps between
-grids after a failure: survivors, free bundles, standbys) and `checkpoints` (writers,
-snapshots, saves, EMA, loads). The driver's controller decides when any of them acts.
+The group has three parts of its own, each in its file: `reserve` (what it keeps between
+grids after a failure: survivors, free bundles, standbys), `checkpoints` (writers,
+snapshots, saves, EMA, loads) and `memory` (states kept in the workers' memory and their
+replicas, restored after a failure). The driver's controller decides when any of them acts.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from raypar.schedule import Action
 from raypar.topology import Grid
 
 from .checkpoints import WorkerCheckpoints
+from .memory import WorkerMemory
 from .placement import Placement, Slot, kill
 from .reserve import WorkerReserve
 
@@ -41,6 +43,7 @@ class WorkerGroup:
         self.placement = Placement(resources, cfg.runtime.placement_timeout_s)
         self.reserve = WorkerReserve(self)
         self.checkpoints = WorkerCheckpoints(self)
+        self.memory = WorkerMemory(self)
         self.program_version = 0  # of the programs the workers hold (set_programs)
         self.programs: list[list[Action]] = []
         self._units: list[list[Unit]] = []  # per stage: what each unit's times are of
@@ -104,12 +107,14 @@ class WorkerGroup:
         return self.program_version
 
     def issue_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
-                   snapshot: dict | None = None, next_sample_ids: list[list[int]] | None = None) -> list:
+                   snapshot: dict | None = None, next_sample_ids: list[list[int]] | None = None,
+                   memory: bool = False) -> list:
         """Send a step without waiting for it; one ObjectRef per worker, by rank. Workers run
         their calls in order, so a step issued while the last one runs starts the moment that
-        one ends. `next_sample_ids`: the next step's batch per worker, when it follows."""
+        one ends. `next_sample_ids`: the next step's batch per worker, when it follows;
+        `memory`: the workers keep their state after it in memory (`WorkerMemory`)."""
         return [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot,
-                                  next_sample_ids[r] if next_sample_ids is not None else None)
+                                  next_sample_ids[r] if next_sample_ids is not None else None, memory)
                 for r, w in enumerate(self.workers)]
 
     def wait_reports(self, step: int, refs: list) -> list[StepReport]:

@@ -166,6 +166,11 @@ class CheckpointConfig:
     # disables it, else ema = decay * ema + (1 - decay) * w, starting from the initial weights.
     ema_decay: float = 0.0
     ema_every: int = 1  # update the EMA after every N steps
+    # Keep the EMA in host memory instead (4 bytes a parameter less on the device): the
+    # masters are copied to the host beside the next step and folded in on the CPU. A fold
+    # that has not finished by the next update holds the step up, so raise ema_every until
+    # checkpoint stalls stay near zero.
+    ema_on_host: bool = False
 
 
 @dataclass
@@ -173,6 +178,12 @@ class ElasticConfig:
     enabled: bool = False  # survive lost workers and nodes: re-plan, reload the last checkpoint, go on
     min_workers: int = 1  # the smallest grid worth running; below it the run waits, then fails
     max_restarts: int = 3  # recoveries before the run gives up
+    # Copy each worker's whole state into host memory after every N steps, beside the next
+    # step, and send the copy to a peer worker (on another node where there is one): a
+    # recovery restores the newest step every rank has somewhere, so at most N steps are
+    # redone, without reading storage. 0: recover from checkpoints only. Host memory per
+    # worker: about five times its state (three own copies, one being made, a peer's).
+    memory_every: int = 1
     resource_timeout_s: float = 60.0  # how long planning waits for enough resources
     grow: bool = True  # move back toward the configured grid at a checkpoint when resources return
     # After a failure keep the stage workers that still answer (new process groups among them
@@ -360,6 +371,9 @@ def validate(cfg: Config) -> None:
     c = cfg.checkpoint
     if not 0.0 <= c.ema_decay < 1.0 or c.ema_every < 1:
         raise ConfigError(f"checkpoint.ema_decay={c.ema_decay} must be in [0, 1) and checkpoint.ema_every={c.ema_every} >= 1")
+    if c.ema_on_host and not c.ema_decay:
+        raise ConfigError("checkpoint.ema_on_host=true but checkpoint.ema_decay=0 keeps no EMA: set "
+                          "checkpoint.ema_decay (e.g. 0.999) or drop ema_on_host")
     if c.ema_decay and not c.every:
         raise ConfigError("checkpoint.ema_decay is set but checkpoint.every=0: the EMA is saved only with "
                           "checkpoints; set checkpoint.every")
@@ -379,6 +393,9 @@ def validate(cfg: Config) -> None:
                           f">= 0, elastic.resource_timeout_s={e.resource_timeout_s} >= 0, "
                           f"elastic.survivor_timeout_s={e.survivor_timeout_s} > 0, "
                           f"elastic.standby_workers={e.standby_workers} >= 0")
+    if e.memory_every < 0:
+        raise ConfigError(f"elastic.memory_every={e.memory_every} must be >= 0 (0 keeps no states in memory, "
+                          f"1 keeps the state after every step)")
     if e.standby_workers and not (e.enabled and e.keep_survivors):
         raise ConfigError(f"elastic.standby_workers={e.standby_workers} replaces lost workers during a recovery that "
                           f"keeps the survivors: set elastic.enabled=true and elastic.keep_survivors=true, "

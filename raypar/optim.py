@@ -8,12 +8,13 @@ step never waits for the host to read the norm.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from raypar.config import TrainConfig
+from raypar.host_ema import HostEma
 from raypar.kernels import ema_update_
 from raypar.model.experts import named_slices
 
@@ -66,16 +67,41 @@ class MasterOptimizer:
             fused=True,
         )
         self._init_state()
-        # An exponential moving average of the fp32 masters (`enable_ema`), on their device.
+        # An exponential moving average of the fp32 masters (`enable_ema`), on their device
+        # or in host memory (then `_host_ema` folds it).
         self.ema: list[torch.Tensor] | None = None
+        self._host_ema: HostEma | None = None
 
-    def enable_ema(self) -> None:
-        """Start an EMA of the weights from their values now (fp32, beside the masters)."""
-        self.ema = [m.detach().float().clone() for m in self.master]
+    def enable_ema(self, on_host: bool = False) -> None:
+        """Start an EMA of the weights from their values now: fp32, beside the masters, or
+        in host memory (`HostEma`)."""
+        if on_host:
+            self._host_ema = HostEma(self.master)
+            self.ema = self._host_ema.ema
+        else:
+            self.ema = [m.detach().float().clone() for m in self.master]
 
-    def update_ema(self, decay: float) -> None:
-        """ema = decay * ema + (1 - decay) * master, one multi-tensor launch on a GPU."""
+    def update_ema(self, decay: float) -> float:
+        """ema = decay * ema + (1 - decay) * master: one multi-tensor launch on the device, or
+        queued for the host. Returns the seconds the caller waited (host: the last fold)."""
+        if self._host_ema is not None:
+            return self._host_ema.update(decay)
         ema_update_(self.ema, [m.detach() for m in self.master], decay)
+        return 0.0
+
+    def ema_for_snapshot(self) -> Callable[[], list[torch.Tensor]]:
+        """The EMA as it stands now, for a snapshot whose copies are issued later: call the
+        result then. On the device the live tensors (the next update comes after the next
+        optimizer step, which waits for the snapshot's copies); on host a copy made in order
+        with the folds."""
+        if self._host_ema is None:
+            return lambda: self.ema
+        return self._host_ema.snapshot().result
+
+    def settle_ema(self) -> None:
+        """Finish the host EMA's queued work, before a load writes the EMA directly."""
+        if self._host_ema is not None:
+            self._host_ema.settle()
 
     def _init_state(self) -> None:
         """AdamW's state as its first step would make it (zero moments, step 0), made now.
@@ -131,6 +157,7 @@ class MasterOptimizer:
     def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Overwrite parameters (and their fp32 masters) by checkpoint name; returns the names set."""
         done = []
+        self.settle_ema()
         with torch.no_grad():
             for i, ((name, p), m) in enumerate(zip(self.named_params, self.master)):
                 keys = [(key, index) for key, index in self.slices[name] if key in tensors]
@@ -157,6 +184,8 @@ class MasterOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.grads()  # parameters that got no gradient step on zeros, as they always have
+        if self._host_ema is not None:
+            self._host_ema.fence()  # the masters' copy for the host EMA reads them first
         self.optimizer.step()
         self.optimizer.grad_scale = None
         if self.mixed:

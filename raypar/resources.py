@@ -1,6 +1,8 @@
 """What a grid asks of the cluster, checked before anything is placed."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from raypar.config import Config
@@ -46,3 +48,16 @@ def plan_resources(cfg: Config, grid: Grid, cluster: dict[str, float]) -> Worker
             + (f"set runtime.cpus_per_worker<={fit:.3g} or use a smaller grid" if fit > 0 else "add CPUs to the cluster")
         )
     return WorkerResources(device=device, cpus=cfg.runtime.cpus_per_worker, gpus=1 if device == "cuda" else 0)
+
+
+def host_available_bytes() -> int:
+    """Memory this host can still give without swapping (Linux's MemAvailable, which counts
+    reclaimable page cache; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

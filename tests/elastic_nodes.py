@@ -2,8 +2,10 @@
 
 Run by tests/test_elastic.py in its own process (it needs its own Ray cluster):
     python tests/elastic_nodes.py TMP_DIR
-Prints SHRANK when the run re-planned onto the surviving node and GREW when it moved back
-to the configured grid after a node was added; exits non-zero on any failure.
+Prints SHRANK when the run re-planned onto the surviving node (FROM MEMORY when that
+recovery restored the lost node's ranks from the replicas on the other node, redoing at
+most one step) and GREW when it moved back to the configured grid after a node was added;
+exits non-zero on any failure.
 """
 import sys
 from pathlib import Path
@@ -61,8 +63,12 @@ def main(tmp: Path) -> int:
         print("recoveries:", summary.recoveries, flush=True)
         print("states:", summary.controller_states, flush=True)
         assert sorted({r.step for r in summary.records}) == list(range(12))
-        if any(r["grid"] == "dp=1 x pp=2 x ep=1" for r in summary.recoveries):
+        shrank = [r for r in summary.recoveries if r["grid"] == "dp=1 x pp=2 x ep=1"]
+        if shrank:
             print("SHRANK")
+            # The lost node's ranks came back from the replicas on the other node.
+            if shrank[0]["source"] == "memory" and shrank[0]["steps_lost"] <= 1:
+                print("FROM MEMORY")
         if "GROWING" in summary.controller_states and chaos.grids[-1] == "dp=2 x pp=2 x ep=1":
             print("GREW")
         return 0

@@ -22,8 +22,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def s3_root():
-    """A bucket on a moto server of this test's own; the URI carries endpoint and credentials."""
+def moto_port():
+    """A moto S3 server of this module's own on the loopback address, with a bucket `raypar`."""
     import pyarrow.fs as pafs
 
     port = _free_port()
@@ -39,13 +39,33 @@ def s3_root():
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("moto's S3 server did not start on the loopback address")
                 time.sleep(0.2)
-        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-        fs, _ = pafs.FileSystem.from_uri(f"s3://testing:testing@raypar?{query}&allow_bucket_creation=true")
+        fs, _ = pafs.FileSystem.from_uri(f"s3://testing:testing@raypar?{_query(port)}&allow_bucket_creation=true")
         fs.create_dir("raypar")
-        yield lambda prefix: f"s3://testing:testing@raypar/{prefix}?{query}"
+        yield port
     finally:
         server.kill()
         server.wait()
+
+
+def _query(port: int) -> str:
+    return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+
+
+@pytest.fixture(scope="module")
+def s3_root(moto_port):
+    """URIs in the bucket; each carries the endpoint and the credentials."""
+    return lambda prefix: f"s3://testing:testing@raypar/{prefix}?{_query(moto_port)}"
+
+
+@pytest.fixture
+def gate(moto_port):
+    """An S3Gate in front of the server; `gate.root(prefix)` is a URI through it."""
+    from s3_gate import S3Gate
+
+    gate = S3Gate(moto_port)
+    gate.root = lambda prefix: f"s3://testing:testing@raypar/{prefix}?{_query(gate.port)}"
+    yield gate
+    gate.close()
 
 
 @pytest.fixture
@@ -68,6 +88,68 @@ def test_training_saves_lists_rotates_and_resumes_on_another_grid_through_s3(ray
                                  checkpoint={"every": 0, "dir": root, "resume": str(checkpoint_dir(root, 4))})).fit()
     assert resumed.start_step == 4
     assert [r.loss for r in resumed.records] == pytest.approx([r.loss for r in full.records[4:]], rel=1e-5)
+
+
+@pytest.mark.parametrize("phase, victim", [("persisting", "stage worker"), ("committing", "writer")])
+def test_a_process_killed_at_each_phase_of_a_save_loses_only_that_save(ray_session, tmp_path, data, gate, s3_root,
+                                                                        phase, victim):
+    """The save of step 4 is held at a known phase (a stage worker's shard upload, or the
+    writer's manifest upload) while a stage worker or the writer is killed by Ray. The run
+    goes on (elastic: re-planned, reloaded from the newest committed checkpoint), the save
+    is lost, and everything listed loads. (The writer has no part in persisting; a stage
+    worker killed while the writer commits leaves whole shards, and the commit lands; a kill
+    while the device copies cannot be held here: on CPU the copy is one memcpy.)"""
+    import threading
+
+    import ray
+
+    from raypar.checkpoint import CheckpointReader
+
+    prefix = f"{phase}-{victim.replace(' ', '-')}"
+    root, direct = gate.root(prefix), s3_root(prefix)
+    # States in memory off: the recovery reloads the checkpoint, through the gate.
+    trainer = Trainer(run_config(tmp_path, "run", (1, 2, 1), 6, checkpoint={"every": 2, "keep_last": 5, "dir": root},
+                                 elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 0}))
+    held = {"persisting": r"step-000000004/shard-00001", "committing": r"step-000000004/manifest\.json"}[phase]
+    gate.hold(held)
+    errors = []
+
+    def kill_when_held() -> None:
+        try:
+            assert gate.arrived.wait(120), f"no request matched {held}"
+            if victim == "writer":
+                for w in list(trainer.group.checkpoints.writers.values()):
+                    ray.kill(w)
+            else:
+                ray.kill(trainer.group.workers[1])
+            time.sleep(1.0)  # the held request's sender is gone before it goes on
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test below
+            errors.append(e)
+        finally:
+            gate.release()
+
+    killer = threading.Thread(target=kill_when_held, daemon=True)
+    killer.start()
+    summary = trainer.fit()
+    killer.join(30)
+    assert not errors, errors
+    assert gate.held and summary.controller_states[-1] == "FINISHED"
+    saves = [(c["step"], c["error"] is None) for c in summary.checkpoints]
+    committed = [s for s, _ in list_committed(root)]
+    if victim == "writer":
+        assert (4, False) in saves and 4 not in committed, (saves, committed)
+        assert committed == [2, 6] and not summary.recoveries
+    else:
+        assert len(summary.recoveries) == 1 and committed[-1] == 6, (summary.recoveries, committed)
+        assert saves[:2] == [(2, True), (4, False)], saves  # its shard never landed
+        assert summary.recoveries[0]["resumed_step"] == 2
+    # Nothing but committed checkpoints is left under the root (a failed save's partial
+    # pieces go at the next save), and every one of them loads.
+    listed = sorted(name for name, _ in storage.list_dir(root))
+    assert listed == [f"step-{s:09d}" for s in committed], listed
+    for _, path in list_committed(direct):  # read past the gate, whose every request is slow
+        with CheckpointReader(path) as r:  # reads check every piece's checksum
+            assert all(r.read(n).numel() >= 0 for n in r.names())
 
 
 def test_a_process_killed_mid_upload_leaves_nothing_listed(tmp_path, s3_root):

@@ -24,6 +24,7 @@ from typing import IO, Callable
 import ray
 
 from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
+from raypar.checkpoint import read_manifest
 from raypar.checkpoint.storage import Location, redact
 from raypar.config import Config
 from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
@@ -58,6 +59,7 @@ class InFlightStep:
     refs: list  # one ObjectRef per worker, by rank
     save: bool  # its snapshot becomes a checkpoint
     stall: float  # seconds the loop waited on checkpointing before sending it
+    memory: bool = False  # the workers keep their state after it in memory (elastic.memory_every)
 
 
 class Controller:
@@ -82,6 +84,11 @@ class Controller:
         self.restarts = 0
         self.recoveries: list[Recovery] = []
         self._recovery: Recovery | None = None  # the recovery under way, until its first good step
+        # Steps done -> samples consumed, for the steps whose states the workers keep in memory
+        # and whose every report came back (elastic.memory_every); then, during a recovery,
+        # the failed grid and those steps.
+        self._memory_steps: dict[int, int] = {}
+        self._memory_from: tuple[Grid, dict[int, int]] | None = None
         self._next_plan: Plan | None = None
         self._max_step_done = 0
         self._step_started: float | None = None  # when the step being waited for could start (perf_counter)
@@ -152,12 +159,17 @@ class Controller:
                         path = self._start(dataset, resume)  # a worker lost while starting is a failure like any other
                         t1 = time.time()
                         self.saver.start(self.group.checkpoints)
-                        self.resumed = self.saver.resume(path, self.cfg, self.grid, fall_back=resume == "latest")
+                        source = "memory"
+                        self.resumed = self._restore_from_memory(path)
+                        if self.resumed is None:
+                            source = "storage" if path is not None else "start"
+                            self.resumed = self.saver.resume(path, self.cfg, self.grid,
+                                                             fall_back=resume == "latest")
                         self.states.to(State.RUNNING)
                         if self._recovery is not None:
                             self._recovery.resumed(str(self.grid), self.resumed.step, workers_s=t1 - t0,
                                                    setup_s=self._setup_phases(), load_s=time.time() - t1,
-                                                   now=time.time())
+                                                   now=time.time(), source=source)
                         self._notify("on_train_start")
                         consumed, grow_to = self._steps(self.resumed.step, self.resumed.consumed_samples, order,
                                                         records, metrics, events)
@@ -171,6 +183,7 @@ class Controller:
                     self.states.to(State.GROWING, f"resources for {grow_to}")
                     self.saver.finish()
                     self._shutdown()
+                    self._memory_steps = {}  # held by the workers just shut down
                     self._next_plan = grow_to
                     self.states.to(State.PLANNING)
                     resume = "latest"
@@ -236,10 +249,14 @@ class Controller:
         A step that snapshots is sent alone unless the last save is committed and its
         snapshot written: it reuses host buffers that the last snapshot's write must have
         left, and it may have to wait for the last save to commit. Waiting with nothing in
-        flight keeps that wait out of the other steps' times.
+        flight keeps that wait out of the other steps' times. A save that will be skipped
+        (`checkpoint.when_busy=skip`) holds nothing back: the loop's own pauses (a write
+        to the run's files while a save floods the disk) would show in that step.
         """
         policy = self.saver.policy
-        return not inflight or not policy.save_due(step + 1) or self.saver.idle()
+        if not inflight or not policy.save_due(step + 1):
+            return True
+        return self.saver.idle() or self.saver.skips(final=step + 1 == self.cfg.train.steps)
 
     def _issue(self, step: int, consumed: int, order: SampleOrder) -> InFlightStep:
         """Send step `step` (the batch after `consumed` samples) to the workers; do not wait."""
@@ -261,9 +278,12 @@ class Controller:
         # sends only its number, the program version and the sample ids, with the next
         # step's for a forward issued ahead.
         following = ids_after(consumed + gbs) if step + 1 < self.cfg.train.steps else None
+        e = self.cfg.elastic
+        memory = e.enabled and e.memory_every > 0 and (step + 1) % e.memory_every == 0
         issued_at = time.perf_counter()
-        refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following)
-        return InFlightStep(step, consumed, issued_at, refs, save, stall)
+        refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following,
+                                     memory=memory)
+        return InFlightStep(step, consumed, issued_at, refs, save, stall, memory)
 
     def _finish(self, sent: InFlightStep, events: EventLog) -> StepRecord:
         """Wait for a sent step and make its record. Its time runs from when the workers could
@@ -292,6 +312,10 @@ class Controller:
             self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:
             self.saver.poll()
+        if sent.memory:
+            self._memory_steps[step + 1] = record.consumed_samples
+            for old in sorted(self._memory_steps)[:-4]:  # workers keep three; a replica may lag one
+                del self._memory_steps[old]
         record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
         records.append(record)
         self._max_step_done = max(self._max_step_done, step + 1)
@@ -338,7 +362,28 @@ class Controller:
         peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
         self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
         self.group.set_programs(self.programs)
+        if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
+            self.group.memory.set_peers()
         return path
+
+    def _restore_from_memory(self, path: Location | None) -> Resumed | None:
+        """During a recovery: load the newest step whose state survives in the workers'
+        memory for every rank of the failed grid, unless checkpoint `path` is newer (memory
+        is read faster than storage). None when storage (or step 0) is the better start."""
+        failed, self._memory_from = self._memory_from, None
+        if failed is None or self._recovery is None:
+            return None
+        failed_grid, steps = failed
+        stored = -1 if path is None else read_manifest(path).step
+        found = self.group.memory.newest_whole(failed_grid.size, [s for s in steps if s >= stored])
+        if found is None:
+            self.group.memory.clear()
+            return None
+        step, holders = found
+        loaded, load_s = self.group.memory.restore(step, holders, same_grid=failed_grid == self.grid)
+        self.log(f"raypar: restored step {step} from the workers' memory"
+                 + (f" (the newest checkpoint holds step {stored})" if stored >= 0 else ""))
+        return Resumed(step, steps[step], None, loaded, load_s)
 
     def _plan_elastic(self) -> Plan:
         """The largest grid the cluster can hold now; waits up to elastic.resource_timeout_s."""
@@ -419,8 +464,11 @@ class Controller:
                 self.log(f"raypar: {why}")
             raise error
         self.states.to(State.RECOVERING, repr(error)[:200])
+        if self._memory_steps:
+            # What the workers keep in memory is of this grid and these steps.
+            self._memory_from, self._memory_steps = (self.grid, dict(self._memory_steps)), {}
         self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
-                 f"recovering from the last committed checkpoint")
+                 f"recovering")
         save_lost = self.saver.abandon()
         kept = 0
         if self.cfg.elastic.keep_survivors and self.group is not None:

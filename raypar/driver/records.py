@@ -94,6 +94,9 @@ class Recovery:
     first_step_s: float | None = None
     recovery_s: float | None = None
     steps_lost: int | None = None  # steps done before the failure that the run did again
+    # Where the state came from: "memory" (the workers' copies and replicas), "storage" (a
+    # checkpoint) or "start" (nothing kept: step 0).
+    source: str | None = None
 
     def workers_placed(self, kept: int, started: int, from_standby: int) -> None:
         self.workers_kept = kept
@@ -101,8 +104,8 @@ class Recovery:
         self.workers_from_standby += from_standby
 
     def resumed(self, grid: str, step: int, workers_s: float, setup_s: dict[str, float], load_s: float,
-                now: float) -> None:
-        self.grid, self.resumed_step = grid, step
+                now: float, source: str | None = None) -> None:
+        self.grid, self.resumed_step, self.source = grid, step, source
         self.workers_s, self.setup_s, self.load_s, self.running_at = workers_s, setup_s, load_s, now
 
     def finished(self, now: float) -> None:

@@ -98,6 +98,11 @@ class Saver:
         self.finish()
         return True, time.perf_counter() - t0
 
+    def skips(self, final: bool = False) -> bool:
+        """Whether a save due now would be skipped (`ready_for` says no without waiting)."""
+        self.poll()
+        return self._pending is not None and self.when_busy == "skip" and not final
+
     def idle(self) -> bool:
         """No save in flight and the last snapshot written: a save may start without waiting."""
         self.poll()

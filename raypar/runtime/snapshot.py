@@ -21,8 +21,6 @@ from typing import Callable
 
 import torch
 
-from raypar.kernels import copy_
-
 Layout = dict[str, tuple[torch.Size, torch.dtype]]
 
 
@@ -39,6 +37,10 @@ class StateSnapshot:
         self._taken: dict[str, torch.Tensor] = {}  # host-side state kept at begin (RNG)
         self._after = None  # CUDA event: the end of the step being copied
         self._event = None  # CUDA event: the copies are done
+        # The tensors being copied, held until the copies are done: a transient one (the peer
+        # check) would otherwise go back to the caching allocator and be reused by the next
+        # step's stream while the side stream still reads it.
+        self._sources: dict[str, torch.Tensor] = {}
         self._stream = None
         self.step: int | None = None
 
@@ -108,14 +110,13 @@ class StateSnapshot:
                     self._stream = torch.cuda.Stream()
                 self._stream.wait_event(self._after)
                 with torch.cuda.stream(self._stream):
-                    # One launch for the device tensors (the kernel), one copy for each other
-                    # (host-side state such as AdamW's step counts, non-contiguous views).
-                    on_device = [n for n, t in tensors.items() if t.is_cuda and t.is_contiguous()]
-                    copy_([tensors[n] for n in on_device], [self._buffers[n] for n in on_device])
-                    for name in tensors.keys() - set(on_device):
-                        self._buffers[name].copy_(tensors[name], non_blocking=True)
+                    # One cudaMemcpyAsync per tensor: the copy engines move the bytes, so the
+                    # next step's kernels keep every SM (a copy kernel would share them).
+                    for name, t in tensors.items():
+                        self._buffers[name].copy_(t, non_blocking=True)
                 self._event = torch.cuda.Event()
                 self._event.record(self._stream)
+                self._sources = tensors
             else:
                 for name, t in tensors.items():
                     self._buffers[name].copy_(t)
@@ -129,7 +130,7 @@ class StateSnapshot:
         with self._lock:
             if self._event is not None:
                 self._event.synchronize()
-            buffers, self._buffers, self._names = self._buffers, {}, []
+            buffers, self._buffers, self._names, self._sources = self._buffers, {}, [], {}
         return buffers
 
     def fence(self) -> float:
@@ -150,6 +151,9 @@ class StateSnapshot:
         event = self._event
         if event is not None:
             event.synchronize()  # may run on the export thread and the step thread at once
+            with self._lock:
+                if self._event is event:
+                    self._sources = {}
         return time.perf_counter() - t0
 
     def host_tensors(self) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world, co
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
+from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
 from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors, takes_snapshots
 from raypar.schedule import Action, Op, comm_groups
@@ -135,11 +136,13 @@ class StageRuntime:
         self.model.on_block_input = lambda t: self.tracker.hold(self._mb, t)
         self.optimizer = MasterOptimizer(self.model, cfg.train)
         if cfg.checkpoint.ema_decay > 0:
-            self.optimizer.enable_ema()  # from the initial weights; a checkpoint load replaces it
+            # From the initial weights; a checkpoint load replaces it.
+            self.optimizer.enable_ema(on_host=cfg.checkpoint.ema_on_host)
         self.tracker = ActivationTracker(list(self.model.parameters()))
         self.act_dtype = next(self.model.parameters()).dtype
         self.clock = StepClock(device)
         self.snapshot = StateSnapshot(snapshot_buffers)
+        self.recent: RecentStates | None = None  # the worker's (`keep_recent`), kept across re-plans
         c = cfg.checkpoint
         if device.type == "cuda" and takes_snapshots(cfg):
             # Pinned buffers for the first save, allocated while the first steps run.
@@ -211,10 +214,12 @@ class StageRuntime:
                 # The last snapshot's copies must be done before the optimizer writes: the
                 # device waits for them, the host goes on queueing.
                 stall += self.snapshot.fence()
+                if self.recent is not None:
+                    stall += self.recent.fence()
                 lr = self.optimizer.step(step, grad_norm)
                 c = self.cfg.checkpoint
                 if c.ema_decay > 0 and (step + 1) % c.ema_every == 0:
-                    self.optimizer.update_ema(c.ema_decay)
+                    stall += self.optimizer.update_ema(c.ema_decay)
             else:
                 self._issue(state, unit)
             self._end_unit(state, head, begin)
@@ -499,13 +504,40 @@ class StageRuntime:
         t0 = time.perf_counter()
         check = queue_world_check(self.device, self.timeout)
 
+        emas = self.optimizer.ema_for_snapshot()
+
         def collect() -> dict[str, torch.Tensor]:
             tensors = state_tensors(self.model, self.optimizer, self.coord, self.rank, self.device,
-                                    save_optimizer=save_optimizer, save_master=save_master, with_rng=False)
+                                    save_optimizer=save_optimizer, save_master=save_master, with_rng=False,
+                                    emas=emas())
             return {**tensors, PEER_CHECK: check}
 
         self.snapshot.begin(step, collect, rng_states(self.rank, self.device), cuda=self.device.type == "cuda")
         return time.perf_counter() - t0
+
+    def keep_recent(self, step: int, recent: RecentStates, on_complete) -> float:
+        """Copy all this worker holds after step `step` (its RNG too) into `recent`, beside the
+        next step, whose optimizer waits for the copy on the device. The copy is valid once
+        the driver has every worker's report of the step. Returns the stall."""
+        t0 = time.perf_counter()
+        self.recent = recent
+        emas = self.optimizer.ema_for_snapshot()
+
+        def collect() -> dict[str, torch.Tensor]:
+            return state_tensors(self.model, self.optimizer, None, self.rank, self.device, with_rng=False,
+                                 emas=emas())
+
+        recent.begin(self.rank, step + 1, collect, rng_states(self.rank, self.device), self.device.type == "cuda",
+                     on_complete)
+        return time.perf_counter() - t0
+
+    def state_bytes(self) -> int:
+        """Bytes of all the state this worker holds (what `keep_recent` copies)."""
+        return sum(shape.numel() * dtype.itemsize for shape, dtype in state_layout(self.optimizer, None).values())
+
+    def state_names(self) -> set[str]:
+        """Every name this worker's state has (all it holds and its RNG's): what a load needs."""
+        return set(state_layout(self.optimizer, None)) | set(rng_states(self.rank, self.device))
 
     def snapshot_for_writing(self) -> dict[str, torch.Tensor]:
         """The last snapshot's tensors in host memory, once copied and its peer check passed."""

@@ -27,10 +27,11 @@ def writes(coord: Coord, name: str) -> bool:
     return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name))
 
 
-def _pieces(optimizer: MasterOptimizer):
+def _pieces(optimizer: MasterOptimizer, emas: list[torch.Tensor] | None = None):
     """(checkpoint name, parameter, fp32 master, AdamW state, EMA or None) of each tensor a
-    checkpoint names, as views: a stacked expert parameter is one piece per expert."""
-    emas = optimizer.ema or [None] * len(optimizer.master)
+    checkpoint names, as views: a stacked expert parameter is one piece per expert. `emas`:
+    the EMA tensors to take the pieces of (default: the optimizer's live ones)."""
+    emas = emas or optimizer.ema or [None] * len(optimizer.master)
     for (name, param), master, ema in zip(optimizer.named_params, optimizer.master, emas):
         state = optimizer.optimizer.state.get(master, {})
         for key, index in optimizer.slices[name]:
@@ -39,19 +40,20 @@ def _pieces(optimizer: MasterOptimizer):
                    None if ema is None else ema[index])
 
 
-def _written(optimizer: MasterOptimizer, coord: Coord | None):
+def _written(optimizer: MasterOptimizer, coord: Coord | None, emas: list[torch.Tensor] | None = None):
     """`_pieces` this worker writes (all when coord is None)."""
-    for piece in _pieces(optimizer):
+    for piece in _pieces(optimizer, emas):
         if coord is None or writes(coord, piece[0]):
             yield piece
 
 
 def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coord | None, rank: int,
                   device: torch.device, save_optimizer: bool = True, save_master: bool = True,
-                  with_rng: bool = True) -> dict[str, torch.Tensor]:
-    """This worker's share of the state (all it holds when coord is None), as live tensors."""
+                  with_rng: bool = True, emas: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """This worker's share of the state (all it holds when coord is None), as live tensors;
+    the EMA's from `emas` when given (`MasterOptimizer.ema_for_snapshot`)."""
     out: dict[str, torch.Tensor] = {}
-    for name, param, master, state, ema in _written(optimizer, coord):
+    for name, param, master, state, ema in _written(optimizer, coord, emas):
         out[name] = param.detach()
         if ema is not None:
             out[f"ema.{name}"] = ema
@@ -130,6 +132,7 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
     """
     missing_optim, plan = [], []
+    optimizer.settle_ema()
     pieces = list(_pieces(optimizer))
     for name, _, _, _, ema in pieces:
         if name not in names:

@@ -1,0 +1,94 @@
+"""The worker group's states in host memory (`elastic.memory_every`): who replicates to
+whom, and a recovery's restore from what the survivors hold (`RecentStates` on each worker)."""
+from __future__ import annotations
+
+import time
+
+from raypar.config import ConfigError
+from raypar.runtime.recent_states import OWN_KEPT
+
+
+
+def peer_of(rank: int, nodes: list[str]) -> int:
+    """The rank that keeps `rank`'s replica: the next one round the ring on another node,
+    else (one node) the next one."""
+    n = len(nodes)
+    for k in range(1, n):
+        other = (rank + k) % n
+        if nodes[other] != nodes[rank]:
+            return other
+    return (rank + 1) % n
+
+
+def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
+                      peers: list[int], node_names: list[str] | None = None) -> None:
+    """Raise ConfigError when some node cannot hold what its workers keep: per worker the
+    copies of its own state (three kept, one being made) and the replica it keeps for its
+    peer. Lists are by rank; `available` is what each worker's host reported free."""
+    need: dict[str, int] = {}
+    free: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        need[node] = need.get(node, 0) + (OWN_KEPT + 1) * state_bytes[rank]
+        free[node] = min(free.get(node, available[rank]), available[rank])
+        count[node] = count.get(node, 0) + 1
+    for source, keeper in enumerate(peers):
+        if keeper != source:
+            need[nodes[keeper]] += state_bytes[source]
+    names = dict(zip(nodes, node_names or nodes))
+    for node, bytes_needed in need.items():
+        if bytes_needed > free[node]:
+            raise ConfigError(
+                f"elastic.memory_every={every} keeps the workers' states in host memory: node {names[node]} needs "
+                f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_KEPT + 1} copies of "
+                f"each one's state and the replicas it keeps for its peers) and has {free[node] / 2**30:.1f} GiB "
+                f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory")
+
+
+class WorkerMemory:
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def set_peers(self) -> None:
+        """Tell each worker where its copies go (after every setup: ranks and nodes change),
+        once the nodes are known to hold what the workers will keep (`check_host_memory`)."""
+        g = self.group
+        nodes = [i["node_id"] for i in g.info]
+        peers = [peer_of(r, nodes) if len(nodes) > 1 else r for r in range(len(nodes))]
+        check_host_memory(g.cfg.elastic.memory_every, nodes, [i["state_bytes"] for i in g.info],
+                          [i["host_available_bytes"] for i in g.info], peers, [i["node"] for i in g.info])
+        refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None)
+                for r, (w, peer) in enumerate(zip(g.workers, peers))]
+        g.get(refs, g.cfg.runtime.step_timeout_s, "set_memory_peer")
+
+    def newest_whole(self, ranks: int, steps: list[int]) -> tuple[int, dict[int, int]] | None:
+        """The newest of `steps` whose state every rank of a `ranks`-worker grid has on some
+        live worker, and which worker (index) holds each rank's; None when there is none."""
+        g = self.group
+        held: dict[tuple[int, int], int] = {}
+        inventories = g.get([w.memory_inventory.remote() for w in g.workers], g.cfg.runtime.step_timeout_s,
+                            "memory_inventory")
+        for index, inventory in enumerate(inventories):
+            for rank, step in inventory:
+                held.setdefault((rank, step), index)
+        for step in sorted(steps, reverse=True):
+            if all((r, step) in held for r in range(ranks)):
+                return step, {r: held[r, step] for r in range(ranks)}
+        return None
+
+    def restore(self, step: int, holders: dict[int, int], same_grid: bool) -> tuple[list[dict], float]:
+        """Load the state after `step` steps into every worker from the holders' memory (each
+        rank of the failed grid from `holders[rank]`), then forget what they held. Returns
+        per worker its rank and bytes loaded, and the seconds it took."""
+        g = self.group
+        t0 = time.perf_counter()
+        timeout = g.cfg.checkpoint.timeout_s
+        sources = g.get([g.workers[index].export_memory.remote(rank, step) for rank, index in holders.items()],
+                        timeout, "export_memory")
+        loaded = g.get([w.load_memory.remote(sources, same_grid) for w in g.workers], timeout, "load_memory")
+        self.clear()
+        return loaded, time.perf_counter() - t0
+
+    def clear(self) -> None:
+        g = self.group
+        g.get([w.clear_memory.remote() for w in g.workers], g.cfg.runtime.step_timeout_s, "clear_memory")

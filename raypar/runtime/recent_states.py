@@ -1,0 +1,142 @@
+"""A worker's newest states in host memory, and a replica of a peer's, for recovery
+without storage (`elastic.memory_every`).
+
+After every K-th step a worker copies all the state it holds (weights, fp32 masters, AdamW,
+EMA, RNG) into host memory, beside the next step as a checkpoint snapshot does
+(`StateSnapshot`), and keeps its three newest complete copies. Each complete copy is then
+sent to one peer (a worker on another node where there is one), which keeps the newest it
+received whole. After a failure the controller asks the survivors what they hold and
+restores the newest step every rank of the failed grid has somewhere: a lost rank's from
+its peer's replica, since a replica may lag its owner's newest copy by one.
+
+Tensors travel between processes as raw bytes in numpy arrays (Ray moves those without
+pickling them; numpy has no bfloat16), with their dtype and shape beside them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+
+from raypar.runtime.snapshot import StateSnapshot
+
+Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
+
+# Complete copies of its own state a worker keeps: a lost peer's replica may lag the
+# driver's newest complete step by one, and a survivor may have run one step past it.
+OWN_KEPT = 3
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+    """Host tensors as (dtype, shape, raw bytes) without copying them."""
+    return {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+            for name, t in tensors.items()}
+
+
+def unpack(packed: Packed, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """`pack`'s tensors (those in `names`), as tensors of this process's own memory."""
+    return {name: torch.from_numpy(np.array(raw, copy=True)).view(getattr(torch, dtype)).reshape(shape)
+            for name, (dtype, shape, raw) in packed.items() if names is None or name in names}
+
+
+class RecentStates:
+    """Own copies (by step) and peers' replicas (by rank) of one worker's process.
+
+    Kept across re-plans (a kept worker's copies are what a recovery restores from); the
+    ranks are those of the grid that took them, until `clear`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rank: int | None = None
+        self._copies: list[StateSnapshot] = [StateSnapshot() for _ in range(OWN_KEPT + 1)]
+        self._complete: dict[int, StateSnapshot] = {}  # step -> copy
+        self._copying: StateSnapshot | None = None
+        self._sending: threading.Thread | None = None  # makes and sends the copy under way
+        self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
+        self._replicas: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # rank -> (step, tensors)
+        self.skipped = 0  # copies not taken because the last one was still being made
+
+    def begin(self, rank: int, step: int, collect: Callable[[], dict[str, torch.Tensor]],
+              taken: dict[str, torch.Tensor], cuda: bool, on_complete: Callable[[int], None]) -> bool:
+        """Copy the state after `step` steps (`StateSnapshot.begin`'s arguments) on a thread of
+        its own; `on_complete(step)` runs on it once the copy is whole (it sends the replica).
+        Returns False (and copies nothing) while the last copy is still being made or sent."""
+        with self._lock:
+            if self._copying is not None:
+                self.skipped += 1
+                return False
+            if self._rank != rank:
+                self._complete.clear()
+                self._rank = rank
+            free = next(c for c in self._copies if c not in self._complete.values())
+            self._copying = free
+            cleared = self._cleared
+        free.begin(step, collect, taken, cuda)
+
+        def finish() -> None:
+            try:
+                free.wait()
+                with self._lock:
+                    if cleared != self._cleared:
+                        return
+                    self._complete[step] = free
+                    for old in sorted(self._complete)[:-OWN_KEPT]:
+                        del self._complete[old]
+                # Before the next copy may start: it could reuse the buffers being sent.
+                on_complete(step)
+            finally:
+                with self._lock:
+                    self._copying = None
+
+        self._sending = threading.Thread(target=finish, name="recent-state", daemon=True)
+        self._sending.start()
+        return True
+
+    def settle(self) -> None:
+        """Wait until the copy under way (if any) is made and sent."""
+        sending = self._sending
+        if sending is not None:
+            sending.join()
+
+    def fence(self) -> float:
+        """Order the copy being made before what the current stream runs next (`StateSnapshot.fence`)."""
+        copying = self._copying
+        return copying.fence() if copying is not None else 0.0
+
+    def own(self, step: int) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return self._complete[step].host_tensors()
+
+    def keep_replica(self, rank: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            if rank not in self._replicas or self._replicas[rank][0] < step:
+                self._replicas[rank] = (step, tensors)
+
+    def inventory(self) -> list[tuple[int, int]]:
+        """(rank, step) of every whole state held: own copies and replicas."""
+        with self._lock:
+            own = [(self._rank, s) for s in self._complete] if self._rank is not None else []
+            return own + [(r, s) for r, (s, _) in self._replicas.items()]
+
+    def tensors(self, rank: int, step: int) -> dict[str, torch.Tensor]:
+        """The state of `rank` after `step` steps, own or replica (KeyError when not held)."""
+        with self._lock:
+            if rank == self._rank and step in self._complete:
+                copy = self._complete[step]
+            elif rank in self._replicas and self._replicas[rank][0] == step:
+                return self._replicas[rank][1]
+            else:
+                raise KeyError((rank, step))
+        return copy.host_tensors()
+
+    def clear(self) -> None:
+        """Forget every copy and replica (after a restore: the new grid's ranks differ), and
+        the copy under way once it is made; the host buffers stay for the next copies."""
+        with self._lock:
+            self._cleared += 1
+            self._complete.clear()
+            self._replicas.clear()
+            self._rank = None

@@ -1,0 +1,69 @@
+"""A worker's states in memory (`RecentStates`) and who keeps whose replica (`peer_of`)."""
+import threading
+
+import torch
+
+from raypar.actors.memory import peer_of
+from raypar.runtime.recent_states import RecentStates, pack, unpack
+
+
+def _take(recent: RecentStates, rank: int, steps_done: int, state: dict, on_complete=lambda s: None) -> bool:
+    taken = recent.begin(rank, steps_done, lambda: {k: v for k, v in state.items()}, {"rng": torch.tensor([rank])},
+                         cuda=False, on_complete=on_complete)
+    recent.fence()  # as the next optimizer step does: the copy is made before the state changes
+    return taken
+
+
+def test_keeps_the_three_newest_copies_as_they_were_and_replicas_by_rank():
+    recent = RecentStates()
+    w = torch.zeros(4)
+    for steps_done in (1, 2, 3, 4):
+        w.fill_(steps_done)
+        assert _take(recent, 0, steps_done, {"w": w})
+        recent.settle()
+    recent.keep_replica(1, 2, {"w": torch.full((4,), 20.0)})
+    recent.keep_replica(1, 1, {"w": torch.full((4,), 10.0)})  # older than the one held: ignored
+    assert sorted(recent.inventory()) == [(0, 2), (0, 3), (0, 4), (1, 2)]
+    assert torch.equal(recent.tensors(0, 2)["w"], torch.full((4,), 2.0))
+    assert torch.equal(recent.tensors(0, 3)["rng"], torch.tensor([0]))
+    assert torch.equal(recent.tensors(1, 2)["w"], torch.full((4,), 20.0))
+    recent.clear()
+    assert recent.inventory() == []
+
+
+def test_a_copy_due_while_the_last_is_still_being_sent_is_skipped():
+    recent = RecentStates()
+    release = threading.Event()
+    assert _take(recent, 0, 1, {"w": torch.ones(2)}, on_complete=lambda s: release.wait(10))
+    assert not _take(recent, 0, 2, {"w": torch.ones(2)}) and recent.skipped == 1
+    release.set()
+
+
+def test_pack_and_unpack_keep_dtype_shape_and_values():
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.tensor(7.0), "c": torch.arange(6).view(2, 3)}
+    back = unpack(pack(tensors))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t)
+    assert set(unpack(pack(tensors), {"b"})) == {"b"}
+
+
+def test_replicas_go_to_another_node_where_there_is_one():
+    assert [peer_of(r, ["a", "a", "b", "b"]) for r in range(4)] == [2, 2, 0, 0]
+    assert [peer_of(r, ["a", "b", "a", "b"]) for r in range(4)] == [1, 2, 3, 0]
+    assert [peer_of(r, ["a", "a", "a"]) for r in range(3)] == [1, 2, 0]
+
+
+def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
+    import pytest
+
+    from raypar.actors.memory import check_host_memory
+    from raypar.config import ConfigError
+
+    gib = 2**30
+    nodes, states = ["n1", "n1", "n2", "n2"], [2 * gib] * 4
+    peers = [peer_of(r, nodes) for r in range(4)]  # n1's ranks keep n2's replicas and back
+    check_host_memory(1, nodes, states, [20 * gib] * 4, peers)  # 2 x 4 x 2 + 2 x 2 = 20 GiB: fits
+    with pytest.raises(ConfigError, match=r"node n2 needs about 20.0 GiB for its 2 worker\(s\).*has 19.0 GiB "
+                                          r"available; set elastic.memory_every=0"):
+        check_host_memory(1, nodes, states, [20 * gib, 20 * gib, 19 * gib, 24 * gib], peers)
