@@ -10,14 +10,16 @@ from raypar.runtime.recent_states import OWN_KEPT
 
 
 def peer_of(rank: int, nodes: list[str]) -> int:
-    """The rank that keeps `rank`'s replica: the next one round the ring on another node,
-    else (one node) the next one."""
-    n = len(nodes)
-    for k in range(1, n):
-        other = (rank + k) % n
-        if nodes[other] != nodes[rank]:
-            return other
-    return (rank + 1) % n
+    """The rank that keeps `rank`'s replica: on one node the next rank; else the rank in the
+    same position on the next node (nodes in the order their first ranks come), so every
+    worker keeps about one replica and none of its own node's."""
+    order = list(dict.fromkeys(nodes))
+    if len(order) == 1:
+        return (rank + 1) % len(nodes)
+    mine = [r for r, n in enumerate(nodes) if n == nodes[rank]]
+    following = order[(order.index(nodes[rank]) + 1) % len(order)]
+    theirs = [r for r, n in enumerate(nodes) if n == following]
+    return theirs[mine.index(rank) % len(theirs)]
 
 
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],

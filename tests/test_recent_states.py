@@ -48,9 +48,11 @@ def test_pack_and_unpack_keep_dtype_shape_and_values():
     assert set(unpack(pack(tensors), {"b"})) == {"b"}
 
 
-def test_replicas_go_to_another_node_where_there_is_one():
-    assert [peer_of(r, ["a", "a", "b", "b"]) for r in range(4)] == [2, 2, 0, 0]
-    assert [peer_of(r, ["a", "b", "a", "b"]) for r in range(4)] == [1, 2, 3, 0]
+def test_replicas_go_to_another_node_where_there_is_one_one_each():
+    assert [peer_of(r, ["a", "a", "b", "b"]) for r in range(4)] == [2, 3, 0, 1]
+    assert [peer_of(r, ["a", "b", "a", "b"]) for r in range(4)] == [1, 0, 3, 2]
+    assert [peer_of(r, ["a", "a", "a", "b"]) for r in range(4)] == [3, 3, 3, 0]  # b has one worker
+    assert [peer_of(r, ["a", "a", "b", "b", "c", "c"]) for r in range(6)] == [2, 3, 4, 5, 0, 1]
     assert [peer_of(r, ["a", "a", "a"]) for r in range(3)] == [1, 2, 0]
 
 
@@ -67,3 +69,5 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"node n2 needs about 20.0 GiB for its 2 worker\(s\).*has 19.0 GiB "
                                           r"available; set elastic.memory_every=0"):
         check_host_memory(1, nodes, states, [20 * gib, 20 * gib, 19 * gib, 24 * gib], peers)
+    # One node: each worker keeps the next one's replica.
+    check_host_memory(1, ["n"] * 2, [gib] * 2, [10 * gib] * 2, [1, 0])
