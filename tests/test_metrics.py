@@ -74,7 +74,7 @@ def test_exported_families_match_the_catalog(exporter):
     rec.alltoall_s = 0.001
     exporter(rec)
     exporter.observe_checkpoint(1 << 20, duration_s=0.8, write_s=0.5)
-    exporter.observe_restart(detection_s=1.0, recovery_s=5.0)
+    exporter.observe_restart(detection_s=1.0, recovery_s=5.0, steps_redone=1, source="memory")
     exporter.set_controller_state("running", ["running", "recovering"])
     s = scrape(exporter.port)
     for spec in CATALOG:
@@ -124,11 +124,12 @@ def test_recovery_hook(exporter):
     from raypar.driver.records import Recovery
 
     recovery = Recovery(restart=1, error="RayActorError", failed_grid="dp=1 x pp=2 x ep=1", detection_s=2.0,
-                        salvage_s=0.5, steps_done=3, detected_at=0.0, recovery_s=9.5)
+                        salvage_s=0.5, steps_done=3, detected_at=0.0, recovery_s=9.5, steps_lost=1, source="memory")
     exporter.on_recovery(None, recovery)
     s = scrape(exporter.port)
     assert value(s, "raypar_restarts_total", run="t") == 1
     assert value(s, "raypar_recovery_seconds", run="t") == 9.5
+    assert value(s, "raypar_recovery_steps_redone", run="t", source="memory") == 1
 
 
 def test_controller_state_marks_only_the_current_one(exporter):

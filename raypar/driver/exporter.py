@@ -313,8 +313,10 @@ class MetricsExporter(Callback):
                               {"run": self.run, "outcome": "skipped"})
             self._skips_seen = skipped
 
-    def observe_restart(self, detection_s: float | None = None, recovery_s: float | None = None) -> None:
-        """A restart after a failure: time to notice it, and time until steps ran again."""
+    def observe_restart(self, detection_s: float | None = None, recovery_s: float | None = None,
+                        steps_redone: int | None = None, source: str | None = None) -> None:
+        """A restart after a failure: time to notice it, time until steps ran again, and the
+        steps it ran again with where its state came from."""
         if not self.enabled:
             return
         run = {"run": self.run}
@@ -323,6 +325,8 @@ class MetricsExporter(Callback):
             self._backend.set("raypar_failure_detection_seconds", detection_s, run)
         if recovery_s is not None:
             self._backend.set("raypar_recovery_seconds", recovery_s, run)
+        if steps_redone is not None and source is not None:
+            self._backend.set("raypar_recovery_steps_redone", steps_redone, {**run, "source": source})
 
     def set_controller_state(self, state: str, states: Iterable[str] = ()) -> None:
         """Mark `state` current (1); the previous state and any of `states` read 0.
@@ -353,7 +357,7 @@ class MetricsExporter(Callback):
         self.set_controller_state(state, [s.value for s in State])
 
     def on_recovery(self, trainer: Any, recovery: Recovery) -> None:
-        self.observe_restart(recovery.detection_s, recovery.recovery_s)
+        self.observe_restart(recovery.detection_s, recovery.recovery_s, recovery.steps_lost, recovery.source)
 
     def on_train_end(self, trainer: Any, summary: Any) -> None:
         self._count_skipped_saves(trainer)

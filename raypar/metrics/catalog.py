@@ -103,6 +103,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Time from the last failure to the controller noticing it.", RUN, "seconds"),
     MetricSpec("raypar_recovery_seconds", "gauge",
                "Time from noticing the last failure to training steps running again.", RUN, "seconds"),
+    MetricSpec("raypar_recovery_steps_redone", "gauge",
+               "Steps done before the last failure that its recovery ran again, by where the state it "
+               "restored came from (memory: the workers' copies and replicas; storage: a checkpoint; start: step 0).",
+               ("run", "source"), ""),
     MetricSpec("raypar_controller_state", "gauge", "1 for the controller's current state, 0 for the others.",
                ("run", "state"), ""),
 )
