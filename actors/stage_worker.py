@@ -250,7 +250,7 @@ class StageWorker:
         tensors: dict[str, torch.Tensor] = {}
         for names, refs in sources:
             if needed.intersection(names):
-                tensors.update(unpack(ray.get(refs[0]), needed))
+                tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
         self.runtime.load_checkpoint(tensors.__getitem__, set(tensors), same_grid)
         return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 

@@ -46,6 +46,8 @@ def test_pack_and_unpack_keep_dtype_shape_and_values():
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t)
     assert set(unpack(pack(tensors), {"b"})) == {"b"}
+    views = unpack(pack(tensors), copy=False)  # the same bytes, not a copy
+    assert views["c"].data_ptr() == tensors["c"].data_ptr() and torch.equal(views["a"], tensors["a"])
 
 
 def test_replicas_go_to_another_node_where_there_is_one_one_each():

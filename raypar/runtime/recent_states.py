@@ -15,6 +15,7 @@ pickling them; numpy has no bfloat16), with their dtype and shape beside them.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -35,10 +36,14 @@ def pack(tensors: dict[str, torch.Tensor]) -> Packed:
             for name, t in tensors.items()}
 
 
-def unpack(packed: Packed, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """`pack`'s tensors (those in `names`), as tensors of this process's own memory."""
-    return {name: torch.from_numpy(np.array(raw, copy=True)).view(getattr(torch, dtype)).reshape(shape)
-            for name, (dtype, shape, raw) in packed.items() if names is None or name in names}
+def unpack(packed: Packed, names: set[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
+    """`pack`'s tensors (those in `names`): copied into this process's own memory, or with
+    `copy=False` read-only views of the arrays as Ray returned them (for a load that copies
+    them into its own tensors next, one copy fewer)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(np.array(raw, copy=copy)).view(getattr(torch, dtype)).reshape(shape)
+                for name, (dtype, shape, raw) in packed.items() if names is None or name in names}
 
 
 class RecentStates:
