@@ -144,6 +144,12 @@ class RuntimeConfig:
     # expert buffers sized for the worst case). "exact": the host reads the split sizes
     # once per layer and sends only routed rows.
     moe_alltoall: Literal["padded", "exact"] = "padded"
+    # Pieces a padded exchange splits a micro-batch's tokens into: every piece's rows leave
+    # before any piece's experts run, so one piece's all-to-all overlaps another's expert
+    # compute. Pays where moving rows costs more than issuing the pieces' extra ops; on
+    # NVLink (2 x H100) 2 pieces ran 0.77x and 4 ran 0.43x the tokens/s of 1, whose
+    # exchanges are waited for in line (BENCHMARKS.md). The exact exchange is always whole.
+    moe_chunks: int = 1
 
 
 @dataclass
@@ -364,6 +370,7 @@ def validate(cfg: Config) -> None:
         "parallel.dp": p.dp, "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.microbatches": p.microbatches,
         "train.global_batch_size": t.global_batch_size, "data.seq_len": d.seq_len,
         "data.synthetic_samples": d.synthetic_samples, "runtime.log_every": r.log_every,
+        "runtime.moe_chunks": r.moe_chunks,
     }
     for key, value in positive.items():
         if value < 1:

@@ -71,6 +71,63 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
+class _Exchange:
+    """An all-to-all of equal blocks in flight: `start` queues it and returns its output,
+    `done` makes the current stream wait for it. Between the two the caller queues other
+    work, which the device runs while the exchange moves rows (on the GPU the exchange runs
+    on the communicator's stream). Backward does the same in reverse: the gradient's
+    exchange is queued where forward waited and waited for where forward queued it."""
+
+    def __init__(self, group, ep: int, stats: MoEStats) -> None:
+        self.group, self.ep, self.stats = group, ep, stats
+        self.work = None
+
+    def start(self, x: Tensor) -> Tensor:
+        return _ExchangeStart.apply(x, self)
+
+    def done(self, out: Tensor) -> Tensor:
+        return _ExchangeDone.apply(out, self)
+
+    def queue(self, x: Tensor) -> Tensor:
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.work = dist.all_to_all_single(out, x, group=self.group, async_op=True)
+        self.stats.alltoall_bytes += x.numel() * x.element_size() * (self.ep - 1) // self.ep
+        self.stats.alltoall_s += time.perf_counter() - t0
+        return out
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.work = None
+        self.stats.alltoall_s += time.perf_counter() - t0
+
+
+class _ExchangeStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, exchange: _Exchange) -> Tensor:
+        ctx.exchange = exchange
+        return exchange.queue(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        ctx.exchange.wait()
+        return g, None
+
+
+class _ExchangeDone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: Tensor, exchange: _Exchange) -> Tensor:
+        ctx.exchange = exchange
+        exchange.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return ctx.exchange.queue(g), None
+
+
 def _remote_bytes(splits: list[int], me: int, x: Tensor) -> int:
     # `me` is the caller's rank in the group (its ep rank), not dist.get_rank(group): that
     # lookup costs more host time than the all-to-all's launch.
@@ -147,6 +204,7 @@ class MoE(nn.Module):
                                       dtype=dtype)
         self.ep_group = None  # set by the runtime when ep_size > 1
         self.padded_alltoall = False  # set by the runtime (runtime.moe_alltoall)
+        self.chunks = 1  # pieces of a padded exchange that overlap (runtime.moe_chunks)
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
         self.stats = MoEStats()
 
@@ -162,24 +220,24 @@ class MoE(nn.Module):
         # A slot is one (token, choice). Slots are sorted by expert, the ones the capacity
         # dropped after all others (as expert n_experts), so every size below is known on
         # the host without reading the device.
-        counts = routed
         if self.capacity_factor > 0:
             expert = torch.where(keep.flatten(), expert, self.n_experts)
             weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
-            counts = _count(expert, self.n_experts + 1)[:self.n_experts]
-        order = torch.argsort(expert, stable=True)
-        if self.ep_size == 1:
-            # slots[token, j]: the row of token's j-th choice, -1 when dropped.
-            position, ends, rows_n = grouped_layout(expert[order], counts, group_alignment(x))
-            slots = _slots(order, position, keep, n)
-            token = x.new_zeros(rows_n, dtype=torch.int64).index_copy_(0, position, order // k)
-            row_weight = weight.new_zeros(rows_n).index_copy(0, position, weight[order])
-            rows = permute(x.reshape(b * t, d), token, slots)
-            out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
-        elif self.padded_alltoall:
-            out = self._exchange_padded(x.reshape(b * t, d), expert[order], order, counts, weight).reshape(b, t, d)
+        if self.ep_size > 1 and self.padded_alltoall:
+            out = self._exchange_padded(x.reshape(b * t, d), expert, weight).reshape(b, t, d)
         else:
-            out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
+            counts = _count(expert, self.n_experts + 1)[:self.n_experts] if self.capacity_factor > 0 else routed
+            order = torch.argsort(expert, stable=True)
+            if self.ep_size == 1:
+                # slots[token, j]: the row of token's j-th choice, -1 when dropped.
+                position, ends, rows_n = grouped_layout(expert[order], counts, group_alignment(x))
+                slots = _slots(order, position, keep, n)
+                token = x.new_zeros(rows_n, dtype=torch.int64).index_copy_(0, position, order // k)
+                row_weight = weight.new_zeros(rows_n).index_copy(0, position, weight[order])
+                rows = permute(x.reshape(b * t, d), token, slots)
+                out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
+            else:
+                out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
@@ -192,7 +250,7 @@ class MoE(nn.Module):
         n = order.numel()
         # The host needs the rows to send to and receive from each rank (one wait per
         # layer), and reads them after the rows are gathered, so that work is queued meanwhile.
-        send_counts, recv_counts = self._exchange_counts(counts)
+        send_counts, recv_counts = (c.squeeze(1) for c in self._exchange_counts(counts.unsqueeze(0)))
         sizes = host_wait.HostCopy(torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1)]))
         slots = _slots(order, torch.arange(n, device=x.device), keep, n)
         token = order // k
@@ -207,33 +265,53 @@ class MoE(nn.Module):
         returned = _AllToAll.apply(back(out_local), recv, send, group, self.ep_rank, self.stats)
         return unpermute(returned, weight[order[:kept]], token[:kept], slots)
 
+    def _exchange_padded(self, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
+        """`_exchange_and_run` without a host wait, in `chunks` pieces of the tokens whose
+        exchanges overlap the other pieces' work.
+
+        Each rank sends every peer n rows (n, its slot count in the piece, bounds what
+        routing can send one rank), the routed ones first; rows past them are padding that
+        no slot reads. The receiver finds its rows' experts from the exchanged counts on the
+        device, and runs only the routed rows. All pieces' rows leave before any piece's
+        experts run, and each piece's results leave as soon as its experts are done, so the
+        device computes one piece while another's rows travel (or wait for the peer).
+        """
+        k, tokens = self.top_k, x.shape[0]
+        chunks = max(1, min(self.chunks, tokens))
+        bounds = [tokens * i // chunks for i in range(chunks + 1)]
+        pieces = [(a, b) for a, b in zip(bounds, bounds[1:])]
+        counts = torch.stack([_count(expert[a * k:b * k], self.n_experts + 1)[:self.n_experts] for a, b in pieces])
+        send_counts, recv_counts = self._exchange_counts(counts)  # [ep, chunks, local] each
+        sent = []
+        for i, (a, b) in enumerate(pieces):
+            ids = expert[a * k:b * k]
+            order = torch.argsort(ids, stable=True)
+            slots, token, row_weight = padded_send_layout(ids[order], order, send_counts[:, i].contiguous(),
+                                                          weight[a * k:b * k], k)
+            exchange = _Exchange(self.ep_group, self.ep_size, self.stats)
+            sent.append((exchange, exchange.start(permute(x[a:b], token, slots)), slots, token, row_weight))
+        returned = []
+        for i, (exchange, received, *_) in enumerate(sent):
+            received = exchange.done(received)
+            n = received.shape[0] // self.ep_size
+            row_of, ends, source, back_slots, _ = padded_recv_layout(recv_counts[:, i].contiguous(), n,
+                                                                     group_alignment(received))
+            out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
+            back = _Exchange(self.ep_group, self.ep_size, self.stats)
+            returned.append((back, back.start(permute(out_local, row_of, back_slots))))
+        out = [unpermute(back.done(rows), row_weight, token, slots)
+               for (back, rows), (_, _, slots, token, row_weight) in zip(returned, sent)]
+        return out[0] if chunks == 1 else torch.cat(out)
+
     def _exchange_counts(self, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """[ep, local] rows this rank sends to each rank's experts, and receives from each
-        rank for its own experts."""
+        """counts [chunks, E] -> [ep, chunks, local]: rows this rank sends to each rank's
+        experts, and receives from each rank for its own experts, for every chunk."""
         t0 = time.perf_counter()
-        send_counts = counts.reshape(self.ep_size, self.local)
+        send_counts = counts.reshape(counts.shape[0], self.ep_size, self.local).transpose(0, 1).contiguous()
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         self.stats.alltoall_s += time.perf_counter() - t0
         return send_counts, recv_counts
-
-    def _exchange_padded(self, x: Tensor, sorted_expert: Tensor, order: Tensor, counts: Tensor,
-                         weight: Tensor) -> Tensor:
-        """`_exchange_and_run` without a host wait: each rank sends every peer n rows (n, its
-        slot count, bounds what routing can send one rank), the routed ones first; rows past
-        them are padding that no slot reads. The receiver finds its rows' experts from the
-        exchanged counts on the device, and runs only the routed rows."""
-        group, ep, n = self.ep_group, self.ep_size, order.numel()
-        send_counts, recv_counts = self._exchange_counts(counts)
-        slots, token, row_weight = padded_send_layout(sorted_expert, order, send_counts, weight, self.top_k)
-        rows = permute(x, token, slots)
-        splits = [n] * ep
-        received = _AllToAll.apply(rows, splits, splits, group, self.ep_rank, self.stats)
-        row_of, ends, source, back_slots, _ = padded_recv_layout(recv_counts, n, group_alignment(received))
-        out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
-        back = permute(out_local, row_of, back_slots)
-        returned = _AllToAll.apply(back, splits, splits, group, self.ep_rank, self.stats)
-        return unpermute(returned, row_weight, token, slots)
 
     def _run_received(self, received: Tensor, recv_counts: Tensor, r: int):
         """Run the experts on rows grouped by source rank, then local expert; returns their

@@ -125,6 +125,7 @@ class StageRuntime:
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
             moe.padded_alltoall = cfg.runtime.moe_alltoall == "padded"
+            moe.chunks = cfg.runtime.moe_chunks
         if cfg.model.init_from and init_weights:
             from raypar.hf import load_hf_weights
 
