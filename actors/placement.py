@@ -54,23 +54,29 @@ class Placement:
         self._pgs.append(pg)
         return [(pg, i) for i in range(n)]
 
-    def reserve_later(self, n: int) -> list[Slot]:
+    def reserve_later(self, n: int, gpu: bool = True) -> list[Slot]:
         """n bundles that nothing waits for: a cluster without room only runs without them
-        (the pending group stays visible to the autoscaler)."""
-        pg = placement_group([self.resources.bundle()] * n, strategy="PACK")
+        (the pending group stays visible to the autoscaler). `gpu=False`: CPUs only."""
+        pg = placement_group([self.resources.bundle(gpu)] * n, strategy="PACK")
         self._pgs.append(pg)
         return [(pg, i) for i in range(n)]
 
-    def start_worker(self, slot: Slot, cfg: Config, grid: Grid, rank: int, data_path: str):
+    def start_worker(self, slot: Slot, cfg: Config, grid: Grid, rank: int, data_path: str,
+                     borrows_gpu: bool = False):
+        """A stage worker in `slot`. `borrows_gpu`: a standby in a CPU-only bundle that sees
+        every GPU of its node (Ray leaves CUDA_VISIBLE_DEVICES alone) and later runs on a
+        lost worker's (`StageWorker.take_gpu`)."""
         pg, bundle = slot
-        env = {"env_vars": GPU_ENV} if self.resources.device == "cuda" else None
+        env = None
+        if self.resources.device == "cuda":
+            env = {"env_vars": {**GPU_ENV, **({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if borrows_gpu else {})}}
         return StageWorker.options(
             num_cpus=self.resources.cpus,
-            num_gpus=self.resources.gpus,
+            num_gpus=0 if borrows_gpu else self.resources.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             runtime_env=env,
             name=None,
-        ).remote(cfg.to_dict(), grid, rank, self.resources.device, data_path)
+        ).remote(cfg.to_dict(), grid, rank, self.resources.device, data_path, borrows_gpu)
 
     def release(self) -> None:
         """Remove every placement group, waiting (briefly) until Ray sees them gone."""
@@ -84,6 +90,12 @@ class Placement:
                     break
                 time.sleep(0.05)
         self._pgs = []
+
+
+def slot_key(slot: Slot) -> tuple[str, int]:
+    """A slot as a dictionary key: its placement group's id and bundle index."""
+    pg, bundle = slot
+    return pg.id.hex(), bundle
 
 
 def bundle_node(slot: Slot) -> str | None:

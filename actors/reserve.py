@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from .placement import Slot, bundle_node, kill
+from .placement import Slot, bundle_node, kill, slot_key
 
 if TYPE_CHECKING:
     from .worker_group import WorkerGroup
@@ -30,6 +30,13 @@ class WorkerReserve:
         # those that answered at the last salvage are the ones a recovery may use.
         self.standbys: list[tuple] = []
         self._standbys_ready: list[tuple] = []
+        # elastic.standby_gpu=borrow: standbys run in bundles whose GPU, if any, is not theirs
+        # to use: CPU-only bundles, and the bundles of lost workers whose GPU a standby took
+        # (the keys of both in `_cpu_only`: no GPU worker starts in them). `standby_slots`:
+        # those without a worker now, as (slot, node id or None).
+        self.borrowing = group.cfg.elastic.standby_gpu == "borrow"
+        self.standby_slots: list[tuple[Slot, str | None]] = []
+        self._cpu_only: set[tuple[str, int]] = set()
         self._salvages = 0  # numbers each salvage's abort and reset for the workers
 
     # -- standbys --------------------------------------------------------------------------------
@@ -38,22 +45,34 @@ class WorkerReserve:
         """Start `n` standby workers in a placement group of their own, without waiting for it:
         the grid never waits for its standbys."""
         if n > 0:
-            for slot in self.group.placement.reserve_later(n):
+            slots = self.group.placement.reserve_later(n, gpu=not self.borrowing)
+            if self.borrowing:
+                self._cpu_only.update(slot_key(s) for s in slots)
+            for slot in slots:
                 self._add_standby(slot)
 
     def _add_standby(self, slot: Slot) -> None:
-        worker = self.group.start_worker(slot, rank=-1)
+        worker = self.group.start_worker(slot, rank=-1, borrows_gpu=self.borrowing)
         worker.warm.remote()  # its start-up work now, not when it is needed
         self.standbys.append((worker, slot))
 
+    def _free(self, slot: Slot, node: str | None) -> None:
+        """A bundle without a worker: one for standbys only, or a worker's."""
+        (self.standby_slots if slot_key(slot) in self._cpu_only else self.idle).append((slot, node))
+
+    def _gpu_capable(self, slot: Slot) -> bool:
+        return slot_key(slot) not in self._cpu_only
+
     def refill_standbys(self) -> None:
-        """Replace the standbys a recovery used, on free bundles of live nodes (a lost worker's).
-        Called once the run is going again, so that their start does not slow the recovery."""
+        """Replace the standbys a recovery used, on free bundles of live nodes (a lost worker's,
+        or a borrowing standby's own). Called once the run is going again, so that their start
+        does not slow the recovery."""
         for _ in range(self.group.cfg.elastic.standby_workers - len(self.standbys)):
-            free = next((i for i, (_, node) in enumerate(self.idle) if node is not None), None)
+            pool = self.standby_slots if self.borrowing else self.idle
+            free = next((i for i, (_, node) in enumerate(pool) if node is not None), None)
             if free is None:
                 return
-            slot, _ = self.idle.pop(free)
+            slot, _ = pool.pop(free)
             self._add_standby(slot)
 
     # -- salvage ---------------------------------------------------------------------------------
@@ -100,6 +119,9 @@ class WorkerReserve:
         # just proved the node alive: a lost node's bundles wait for Ray to place them again.
         nodes = [bundle_node(slot) for slot, _ in idle]
         self.idle = [(slot, node if node in alive else None) for (slot, _), node in zip(idle, nodes)]
+        # The standbys' free bundles, like the workers', count only on nodes proven alive.
+        self.standby_slots = [(slot, node if node in alive else None)
+                              for slot, node in ((s, bundle_node(s)) for s, _ in self.standby_slots)]
         return len(survivors)
 
     def survivor_nodes(self) -> set[str]:
@@ -116,7 +138,7 @@ class WorkerReserve:
                     ray.get(ref)
                 except Exception:  # noqa: BLE001 - dead: its bundle waits for a proven node, like a lost worker's
                     kill(entry[0])
-                    self.idle.append((entry[1], None))
+                    self._free(entry[1], None)
                     continue
                 ready.append(entry)
             kept.append(entry)
@@ -126,8 +148,16 @@ class WorkerReserve:
 
     def usable_slots(self) -> int:
         """Workers the next grid can have without new resources: survivors, standbys that answered
-        and free bundles on live nodes."""
-        return len(self.survivors) + len(self._standbys_ready) + sum(1 for _, node in self.idle if node is not None)
+        (unless they borrow: then they only run in lost workers' bundles) and free bundles on
+        live nodes."""
+        live = [slot for slot, node in self.idle if node is not None]
+        if not self.borrowing:
+            return len(self.survivors) + len(self._standbys_ready) + len(live)
+        # Borrowers take lost workers' bundles, those without a GPU of their own first; a new
+        # worker needs one with its GPU.
+        borrowed = min(len(self._standbys_ready), len(live))
+        with_gpu = sum(map(self._gpu_capable, live))
+        return len(self.survivors) + borrowed + min(with_gpu, len(live) - borrowed)
 
     def free_slots_on_live_nodes(self) -> int:
         """Bundles held without a worker, placed on nodes Ray reports alive."""
@@ -161,13 +191,20 @@ class WorkerReserve:
         for (w, slot), r in zip(moved, free):
             workers[r], slots[r] = w, slot
         missing = [r for r in range(n) if workers[r] is None]
-        from_standby = self._standbys_ready[:len(missing)]
-        for r, (w, slot) in zip(missing, from_standby):
-            workers[r], slots[r] = w, slot
+        from_standby = []
+        for entry in self._standbys_ready:
+            if len(from_standby) == len(missing):
+                break
+            slot = self._borrow_slot(*entry) if self.borrowing else entry[1]
+            if slot is not None:
+                r = missing[len(from_standby)]
+                workers[r], slots[r] = entry[0], slot
+                from_standby.append(entry)
         missing = missing[len(from_standby):]
         self.standbys = [s for s in self.standbys if not any(s is used for used in from_standby)]
         self._standbys_ready = []
-        trusted = [i for i, (_, node) in enumerate(self.idle) if node is not None][:len(missing)]
+        trusted = [i for i, (slot, node) in enumerate(self.idle)
+                   if node is not None and self._gpu_capable(slot)][:len(missing)]
         usable = [self.idle[i][0] for i in trusted]
         self.idle = [x for i, x in enumerate(self.idle) if i not in trusted]
         try:
@@ -182,6 +219,31 @@ class WorkerReserve:
             self.idle += [(slot, None) for slot in usable if slot not in g.slots]
         return {"kept": len(survivors), "started": len(missing), "standby": len(from_standby)}
 
+    def _borrow_slot(self, standby, own: Slot) -> Slot | None:
+        """A borrowing standby replacing a worker lost on its node: once that worker's
+        process has ended, the standby runs on its GPU (`StageWorker.take_gpu`), in its own
+        bundle, which it returns; the lost worker's bundle then hosts standbys only (its GPU
+        is in use). None when no worker of its node was lost."""
+        node = bundle_node(own)
+        mine = [i for i, (_, n) in enumerate(self.idle) if n is not None and n == node]
+        if not mine:
+            return None
+        found = min(mine, key=lambda i: self._gpu_capable(self.idle[i][0]))  # GPU-less bundles first
+        slot, _ = self.idle[found]
+        lost = self.group.slot_owner.get(slot_key(slot), {})
+        e = self.group.cfg.elastic
+        try:
+            ray.get(standby.take_gpu.remote(lost.get("gpu"), lost.get("pid"), e.survivor_timeout_s),
+                    timeout=e.survivor_timeout_s + 30.0)
+        except Exception as err:  # noqa: BLE001 - the rank gets a new worker instead
+            print(f"raypar: a standby could not take the GPU of the worker lost on its node ({err}); "
+                  f"starting a new worker instead", flush=True)
+            return None
+        del self.idle[found]
+        self._cpu_only.add(slot_key(slot))
+        self.standby_slots.append((slot, node))
+        return own
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def actors(self) -> list:
@@ -189,4 +251,4 @@ class WorkerReserve:
         return [*(s[1] for s in self.survivors), *(s[0] for s in self.standbys)]
 
     def clear(self) -> None:
-        self.survivors, self.standbys, self._standbys_ready = [], [], []
+        self.survivors, self.standbys, self._standbys_ready, self.standby_slots = [], [], [], []

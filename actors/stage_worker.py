@@ -26,6 +26,23 @@ from raypar.schedule import Action
 from raypar.topology import Grid
 
 
+def _process_exists(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie has ended: its memory, GPU's too, is free)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -42,14 +59,20 @@ class StepRefused(RuntimeError):
 
 @ray.remote(concurrency_groups={"io": 1, "control": 1, "report": 1, "memory": 1})
 class StageWorker:
-    def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str):
+    def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str, borrows_gpu: bool = False):
         self.cfg: Config = config_from_dict(cfg)
         self.grid = grid
         self.rank = rank
+        # A standby without a GPU of its own (elastic.standby_gpu=borrow) sees every GPU of its
+        # node and picks one in `take_gpu`; until then it has none.
+        self.borrows_gpu = borrows_gpu and device == "cuda"
+        self.gpu_id: str | None = None  # the node's id of this worker's GPU (as Ray numbers them)
         if device == "cuda":
-            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
             self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
+            if not self.borrows_gpu:
+                # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
+                self.gpu_id = str(ray.get_runtime_context().get_accelerator_ids()["GPU"][0])
+                torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
             # Several workers share a node's cores: one intra-op thread each avoids thrashing.
@@ -89,15 +112,37 @@ class StageWorker:
             self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
         if self.device.type == "cuda":
             kernels.set_enabled(self.cfg.runtime.kernels)
-            kernels.load_all()
-            # cuBLAS and attention create their handles and workspaces on first use.
-            dtype = getattr(torch, self.cfg.model.dtype)
-            x = torch.randn(1, 2, 64, 64, device=self.device, dtype=dtype, requires_grad=True)
-            out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
-            (out @ x.transpose(-1, -2)).sum().backward()
-            torch.cuda.synchronize(self.device)
+            # A borrowing standby does not know whose GPU it will take: it readies every one
+            # of its node's (a context, kernels and handles each; pinned memory serves all).
+            devices = range(torch.cuda.device_count()) if self.borrows_gpu else [self.device.index]
+            for index in devices:
+                with torch.cuda.device(index):
+                    kernels.load_all()
+                    # cuBLAS and attention create their handles and workspaces on first use.
+                    dtype = getattr(torch, self.cfg.model.dtype)
+                    x = torch.randn(1, 2, 64, 64, device=f"cuda:{index}", dtype=dtype, requires_grad=True)
+                    out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+                    (out @ x.transpose(-1, -2)).sum().backward()
+                    torch.cuda.synchronize(index)
             if takes_snapshots(self.cfg):
                 self._snapshot_buffers = pinned_buffers(shapes)
+
+    def take_gpu(self, gpu_id: str | None, lost_pid: int | None, timeout_s: float) -> float:
+        """A borrowing standby replacing a worker of its node: wait until the lost worker's
+        process `lost_pid` has ended (its GPU memory is free then), then run on its GPU
+        `gpu_id` (None on CPU runs). Returns the seconds waited."""
+        t0 = time.monotonic()
+        while lost_pid is not None and _process_exists(lost_pid):
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"the lost worker's process {lost_pid} still runs {timeout_s:g}s after it was "
+                                   f"replaced; its GPU {gpu_id} is not free for the standby")
+            time.sleep(0.02)
+        if self.borrows_gpu and gpu_id is not None:
+            visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+            self.device = torch.device("cuda", visible.index(gpu_id) if visible else int(gpu_id))
+            torch.cuda.set_device(self.device)
+            self.gpu_id, self.borrows_gpu = gpu_id, False
+        return time.monotonic() - t0
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
@@ -135,7 +180,8 @@ class StageWorker:
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "state_bytes": self.runtime.state_bytes(), "host_available_bytes": host_available_bytes(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "device": str(self.device), "backend": backend, "kernels": kernel_status,
+                "pid": os.getpid(), "device": str(self.device), "gpu": self.gpu_id, "backend": backend,
+                "kernels": kernel_status,
                 "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None}
 
     def set_program(self, version: int, program: list[Action]) -> None:

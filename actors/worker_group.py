@@ -20,7 +20,7 @@ from raypar.topology import Grid
 
 from .checkpoints import WorkerCheckpoints
 from .memory import WorkerMemory
-from .placement import Placement, Slot, kill
+from .placement import Placement, Slot, kill, slot_key
 from .reserve import WorkerReserve
 
 # How often a wait for all workers looks for one that already failed.
@@ -50,6 +50,9 @@ class WorkerGroup:
         self.workers: list = []  # by rank
         self.slots: list[Slot] = []  # by rank
         self.info: list[dict] = []  # by rank: what `setup` returned
+        # By slot (`slot_key`): what the last worker set up in it returned, kept after it is
+        # lost: a borrowing standby takes its GPU once its process has ended.
+        self.slot_owner: dict[tuple[str, int], dict] = {}
         try:
             self.slots = self.placement.reserve(grid.size)
             self.workers = [self.start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
@@ -59,8 +62,8 @@ class WorkerGroup:
             self.shutdown()  # the caller never gets this group: release what it holds
             raise
 
-    def start_worker(self, slot: Slot, rank: int):
-        return self.placement.start_worker(slot, self.cfg, self.grid, rank, self.data_path)
+    def start_worker(self, slot: Slot, rank: int, borrows_gpu: bool = False):
+        return self.placement.start_worker(slot, self.cfg, self.grid, rank, self.data_path, borrows_gpu)
 
     def setup(self, fresh: bool, init_weights: bool) -> None:
         """Wire the process groups of the current grid and build every worker's stage
@@ -71,6 +74,7 @@ class WorkerGroup:
         refs = [w.setup.remote(addr, port, *args, *(() if fresh else (rank,)), init_weights=init_weights)
                 for rank, w in enumerate(self.workers)]
         self.info = self.get(refs, setup_timeout, "setup")
+        self.slot_owner.update((slot_key(slot), info) for slot, info in zip(self.slots, self.info))
 
     # -- recovery: the reserve does the work on this group's workers -----------------------------
 

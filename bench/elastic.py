@@ -1,6 +1,7 @@
-"""Elastic suite: a stage worker killed mid-run, recovered in place (`elastic.enabled`), against
-a full restart of the same job from the same checkpoint (a new Trainer resuming it, as Ray
-Train restarts a failed run).
+"""Elastic suite: what keeping the workers' states in memory costs a step, and a stage worker
+killed mid-run, recovered in place (`elastic.enabled`), against a full restart of the job
+from its last committed checkpoint (a new Trainer resuming it, as Ray Train restarts a
+failed run).
 """
 from __future__ import annotations
 
@@ -14,45 +15,59 @@ if TYPE_CHECKING:
 
     from bench.run import Context
 
-TITLE = "recovery from a killed stage worker against a full restart from the same checkpoint"
-NOTES = ("detection: from the step's start to the failure being seen; recovery: from detection to the end of "
-         "the first step after it (raypar's summary.recoveries), in phases: the survivors' abort and teardown, "
-         "workers up (replacements started, process groups and stages built), checkpoint load, first step; "
-         "workers up includes the workers' setup: per phase the longest over the workers (groups: the "
-         "rendezvous; data_kernels: data and CUDA kernels; build: the stage and optimizer; connect: the first "
-         "exchange with the neighbours and the world); "
-         "restart: from constructing a new Trainer "
-         "(checkpoint.resume=the checkpoint the recovery loaded) to the end of its first step, in the same "
-         "Ray cluster; ratio: recovery / restart (below 1: recovering in place is faster). With a standby: "
-         "elastic.standby_workers=1, a started idle worker takes the lost one's place (it needs resources beyond "
-         "the grid's: a third GPU on GPU).")
+TITLE = ("states in memory every step against none; a killed stage worker recovered in place against a full restart "
+         "from the last committed checkpoint")
+NOTES = ("memory copies: `elastic.memory_every=1` (every worker copies its whole state to host memory after each step "
+         "and replicates it to a peer) against `=0`, no saves, tokens/s of the steady steps, same config otherwise. "
+         "Killed runs: `elastic.memory_every=1` and a save every few steps (`when_busy=skip`); the worker dies at the "
+         "end of the first step after a checkpoint has committed and the memory ring is full, whatever is being "
+         "copied or replicated then. kill to step: from the kill to the end of the first step completed after it, "
+         "as a user sees it; detection: from the killed step's start to the failure being seen; recovery: from "
+         "detection to the end of the first step after it (raypar's summary.recoveries), in phases: the survivors' "
+         "abort and teardown, workers up (replacements started, process groups and stages built), state load "
+         "(from memory or storage), first step. Standby: a started idle worker takes the lost one's place, holding "
+         "a GPU of its own (`elastic.standby_gpu=own`: a GPU beyond the grid's) or borrowing the lost worker's once "
+         "its process has ended (`=borrow`). Restart: from constructing a new Trainer "
+         "(checkpoint.resume=the newest checkpoint committed at the kill) to the end of its first step, in the same "
+         "Ray cluster; its steps redone are those since that checkpoint. ratio: kill to step / restart.")
 
-EVERY = 2  # checkpoint interval of the killed run
-KILL_AFTER = 2  # the worker dies after this step (0-based), once the save before it committed
+KILL_RANK = -1  # the last stage's worker (it holds the head; pp=2: rank 1)
 
 
-class KillAfterCommit(Callback):
-    """Kills stage worker `rank` after step `at`, once the save started before it committed.
+def every(ctx: "Context") -> int:
+    # A 1B model's save takes seconds: saves every 4 of ~0.3 s steps, skipped while one writes.
+    return 2 if ctx.cpu else 4
 
-    Waiting for the commit makes the recovery and the full restart resume from the same step.
-    After the recovery's first step the run stops: the rest would measure nothing new.
-    """
 
-    def __init__(self, at: int, rank: int):
-        self.at, self.rank = at, rank
+class KillOnceCommitted(Callback):
+    """Kills the stage worker `rank` at the end of the first step from `min_step` on at which a
+    checkpoint has committed (and any standby has started), records when, and stops the run
+    after the first step completed after the recovery."""
+
+    def __init__(self, rank: int, min_step: int):
+        self.rank, self.min_step = rank, min_step
         self.killed_at: float | None = None
+        self.killed_after: int | None = None
+        self.checkpoint: str | None = None
+        self.kill_to_step_s: float | None = None
 
     def on_step_end(self, trainer: "Trainer", record) -> None:
         import ray
 
-        if record.step == self.at and self.killed_at is None:
-            trainer.saver.finish()
-            # A standby still starting would not be used: measure the recovery it is there for.
-            ray.get([w.address.remote() for w, _ in trainer.group.reserve.standbys], timeout=300)
-            self.killed_at = time.time()
-            ray.kill(trainer.group.workers[self.rank])
+        if self.killed_at is not None or record.step < self.min_step:
+            return
+        committed = trainer.saver.last_committed()
+        if committed is None:
+            return
+        # A standby still starting would not be used: measure the recovery it is there for.
+        ray.get([w.address.remote() for w, _ in trainer.group.reserve.standbys], timeout=300)
+        self.checkpoint, self.killed_after = committed, record.step
+        self.killed_at = time.monotonic()
+        ray.kill(trainer.group.workers[self.rank])
 
     def on_recovery(self, trainer: "Trainer", recovery) -> None:
+        # Called once the first step after the recovery is done.
+        self.kill_to_step_s = time.monotonic() - self.killed_at
         trainer.request_stop(save=False)
 
 
@@ -71,29 +86,53 @@ class FirstStep(Callback):
 
 
 def run(ctx: "Context") -> list[dict]:
-    steps = max(ctx.default_steps(), KILL_AFTER + 2)
-    # A survivor is back within about a second (its abort and teardown); 5 s bound a
-    # recovery whose survivor is stuck, instead of the default 15.
-    overrides = ["parallel.pp=2", "elastic.enabled=true", "elastic.min_workers=2", "elastic.resource_timeout_s=60",
-                 f"checkpoint.every={EVERY}", "checkpoint.keep_last=3", "elastic.survivor_timeout_s=5"]
-    cfg = ctx.config(overrides, "killed", steps=steps)
-    cfg.data.path = ctx.corpus(cfg)
-    label = f"elastic recovery: stage worker {cfg.parallel.pp - 1} killed after step {KILL_AFTER}"
-    recovered: dict = {}
-    rows = ctx.attempt(label, lambda: recovery_row(ctx, cfg, label, recovered), min_time_s=60)
-    standby_label = label + ", with a standby worker"
-    if ctx.cpu or ray_gpus() >= cfg.parallel.pp + 1:
-        standby_cfg = ctx.config([*overrides, "elastic.standby_workers=1"], "killed-standby", steps=steps)
-        standby_cfg.data.path = cfg.data.path
-        rows += ctx.attempt(standby_label, lambda: recovery_row(ctx, standby_cfg, standby_label, {}), min_time_s=60)
+    rows = memory_cost_rows(ctx)
+    base = ["parallel.pp=2", "elastic.enabled=true", "elastic.min_workers=2", "elastic.resource_timeout_s=60",
+            "elastic.memory_every=1", f"checkpoint.every={every(ctx)}", "checkpoint.when_busy=skip",
+            "checkpoint.keep_last=3", "elastic.survivor_timeout_s=5"]
+    # Enough steps for a save to commit beside them (a 1B model's takes ~10 s); the run stops
+    # after the recovery's first step.
+    steps = 12 if ctx.cpu else 200
+    gpus, pp = ray_gpus(), 2
+    kinds = [("without a standby", [])]
+    if ctx.cpu or gpus > pp:
+        kinds.append(("with a standby holding a GPU of its own", ["elastic.standby_workers=1"]))
     else:
-        rows.append({"label": standby_label, "unavailable": f"needs a GPU beyond the grid's {cfg.parallel.pp}"})
-    if recovered:
-        rows += ctx.attempt("full restart from the same checkpoint", lambda: restart_row(ctx, cfg, recovered))
+        kinds.append(("with a standby holding a GPU of its own", None))
+    if ctx.cpu or gpus >= pp:
+        kinds.append(("with a standby borrowing the lost worker's GPU",
+                      ["elastic.standby_workers=1", "elastic.standby_gpu=borrow"]))
+    killed: dict = {}
+    for kind, extra in kinds:
+        label = f"stage worker {pp - 1} killed, recovered in place {kind}"
+        if extra is None:
+            rows.append({"label": label, "unavailable": f"needs a GPU beyond the grid's {pp}"})
+            continue
+        cfg = ctx.config([*base, *extra], label, steps=steps)
+        cfg.data.path = ctx.corpus(cfg)
+        rows += ctx.attempt(label, lambda: recovery_row(ctx, cfg, label, killed), min_time_s=90)
+    if killed:
+        rows += ctx.attempt("full restart from the last committed checkpoint", lambda: restart_row(ctx, killed))
     restart = next((r for r in rows if "restart_s" in r), None)
     for r in rows:
-        if restart is not None and "recovery_s" in r:
-            r["recovery_vs_restart"] = r["recovery_s"] / restart["restart_s"]
+        if restart is not None and r.get("kill_to_step_s"):
+            r["vs_restart"] = r["kill_to_step_s"] / restart["restart_s"]
+    return rows
+
+
+def memory_cost_rows(ctx: "Context") -> list[dict]:
+    """The same run without and with states in memory after every step (no saves, no kill)."""
+    steps = ctx.default_steps(gpu=16)
+    rows = []
+    for every_n in (0, 1):
+        label = f"memory copies: elastic.memory_every={every_n}"
+        cfg = ctx.config(["parallel.pp=2", "elastic.enabled=true", f"elastic.memory_every={every_n}",
+                          "checkpoint.every=0"], label, steps=steps)
+        cfg.data.path = ctx.corpus(cfg)
+        rows += ctx.attempt(label, lambda: ctx.row(label, cfg, ctx.trainer(cfg, label).fit(), memory_every=every_n))
+    off, on = (next((r for r in rows if r.get("memory_every") == n and "tokens_per_s" in r), None) for n in (0, 1))
+    if off and on:
+        on["vs_no_memory"] = on["tokens_per_s"] / off["tokens_per_s"]
     return rows
 
 
@@ -103,62 +142,67 @@ def ray_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def recovery_row(ctx: "Context", cfg, label: str, recovered: dict) -> dict:
-    from raypar.checkpoint import checkpoint_dir
-
-    kill = KillAfterCommit(KILL_AFTER, cfg.parallel.pp - 1)
+def recovery_row(ctx: "Context", cfg, label: str, killed: dict) -> dict:
+    kill = KillOnceCommitted(KILL_RANK % cfg.parallel.pp, min_step=every(ctx) + 3)
     trainer = ctx.trainer(cfg, label, callbacks=[kill])
     summary = trainer.fit()
     if not summary.recoveries and trainer.bench_stop.stopped_after is not None:
         return {"label": label, "skipped": f"time budget: stopped after step {trainer.bench_stop.stopped_after}, "
                                            f"before the kill"}
     if not summary.recoveries:
-        raise RuntimeError(f"no recovery recorded (killed: {kill.killed_at is not None}, restarts {summary.restarts})")
+        raise RuntimeError(f"no recovery recorded (killed after step {kill.killed_after}, restarts {summary.restarts})")
     event = summary.recoveries[0]
-    # Step 0 means no checkpoint had committed: the recovery started over, and so does the restart.
-    path = checkpoint_dir(trainer.saver.root, event["resumed_step"]) if event["resumed_step"] else None
-    recovered.update(event, path=path and str(path))
+    killed.setdefault("checkpoint", kill.checkpoint)
+    killed.setdefault("killed_after", kill.killed_after)
+    killed.setdefault("cfg", cfg)
     phases = {k: event.get(k) for k in ("salvage_s", "workers_s", "setup_s", "load_s", "first_step_s", "workers_kept",
-                                         "workers_started", "workers_from_standby")}
-    return ctx.row(label, cfg, summary, detection_s=event["detection_s"], recovery_s=event["recovery_s"],
-                   steps_lost=event["steps_lost"], failed_grid=event["failed_grid"], recovered_grid=event["grid"],
-                   resumed_step=event["resumed_step"], **phases)
+                                         "workers_started", "workers_from_standby", "source")}
+    return ctx.row(label, cfg, summary, kill_to_step_s=kill.kill_to_step_s, killed_after=kill.killed_after,
+                   detection_s=event["detection_s"], recovery_s=event["recovery_s"], steps_lost=event["steps_lost"],
+                   failed_grid=event["failed_grid"], recovered_grid=event["grid"], resumed_step=event["resumed_step"],
+                   **phases)
 
 
-def restart_row(ctx: "Context", killed_cfg, recovered: dict) -> dict:
-    label = "full restart from the same checkpoint"
-    overrides = ["parallel.pp=2", "checkpoint.every=0"]
-    if recovered["path"]:
-        overrides.append(f"checkpoint.resume={recovered['path']}")
-    cfg = ctx.config(overrides, "restart", steps=recovered["resumed_step"] + 1)
-    cfg.data.path = killed_cfg.data.path
+def restart_row(ctx: "Context", killed: dict) -> dict:
+    from raypar.checkpoint import read_manifest
+
+    label = "full restart from the last committed checkpoint"
+    path = killed["checkpoint"]
+    resumed = read_manifest(path).step
+    cfg = ctx.config(["parallel.pp=2", "checkpoint.every=0", f"checkpoint.resume={path}"], "restart",
+                     steps=resumed + 1)
+    cfg.data.path = killed["cfg"].data.path
     first = FirstStep()
     t0 = time.monotonic()
     summary = ctx.trainer(cfg, label, callbacks=[first]).fit()
     if first.first_step is None:
         raise RuntimeError("the restarted run ran no step")
-    restart_s = first.first_step - t0
-    return ctx.row(label, cfg, summary, restart_s=restart_s, workers_up_s=first.up - t0,
-                   first_step_s=first.first_step - first.up, resumed_step=recovered["resumed_step"])
+    return ctx.row(label, cfg, summary, restart_s=first.first_step - t0, workers_up_s=first.up - t0,
+                   first_step_s=first.first_step - first.up, resumed_step=resumed,
+                   steps_lost=killed["killed_after"] + 1 - resumed)
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | detection s | recovery / restart s (to first step end) | survivors' teardown s | "
-             "workers up s | checkpoint load s | first step s | workers kept / started / from standby | steps redone | grid | "
-             "recovery / restart |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = ["| run | tokens/s | vs memory_every=0 |", "|---|---|---|"]
+    for r in rows:
+        if "memory_every" in r and "tokens_per_s" in r:
+            lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {f(r.get('vs_no_memory'))} |")
+    lines += ["", "| run | kill to step s | steps redone (from) | detection s | recovery s | survivors' teardown s | "
+              "workers up s | state load s | first step s | workers kept / started / from standby | vs restart |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "recovery_s" in r:
-            kept = "" if r.get("workers_kept") is None else (
-                f"{r['workers_kept']} / {r.get('workers_started', 0)} / {r.get('workers_from_standby', 0)}")
-            ratio = "" if r.get("recovery_vs_restart") is None else f"{r['recovery_vs_restart']:.2f}"
+            kept = f"{r.get('workers_kept')} / {r.get('workers_started', 0)} / {r.get('workers_from_standby', 0)}"
             setup = r.get("setup_s") or {}
             up = f(r.get("workers_s")) + (" (setup: " + ", ".join(f"{k} {v:.2f}" for k, v in setup.items()) + ")"
                                           if setup else "")
-            lines.append(f"| {r['label']} | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | {f(r.get('salvage_s'))} | "
-                         f"{up} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | {kept} | "
-                         f"{r['steps_lost']} | {r['failed_grid']} -> {r['recovered_grid']} | {ratio} |")
+            lines.append(f"| {r['label']} | {f(r.get('kill_to_step_s'))} | {r['steps_lost']} ({r.get('source')}, "
+                         f"step {r['resumed_step']}) | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | "
+                         f"{f(r.get('salvage_s'))} | {up} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | "
+                         f"{kept} | {f(r.get('vs_restart'))} |")
         elif "restart_s" in r:
-            lines.append(f"| {r['label']} (from step {r['resumed_step']}) | | {r['restart_s']:.2f} | | "
-                         f"{r['workers_up_s']:.2f} (with the load) | | {f(r.get('first_step_s'))} | | | {r['grid']} | |")
+            lines.append(f"| {r['label']} | {r['restart_s']:.2f} (from its start) | {r['steps_lost']} (storage, "
+                         f"step {r['resumed_step']}) | | | | {r['workers_up_s']:.2f} (with the load) | | "
+                         f"{f(r.get('first_step_s'))} | | |")
     return "\n".join(lines)

@@ -203,6 +203,12 @@ class ElasticConfig:
     # and kernels then. On GPU each also pins host memory for the largest stage's checkpoint
     # snapshots. Used when survivors are kept; replaced from the lost worker's resources.
     standby_workers: int = 0
+    # What a standby holds on GPU runs. "own": a GPU of its own (one beyond the grid's).
+    # "borrow": CPUs only; it sees its node's GPUs and, replacing a worker lost on its node,
+    # runs on that worker's GPU once its process has ended (a node whose GPUs the grid
+    # fills still recovers without starting a process). A borrowing standby replaces only
+    # workers of its own node.
+    standby_gpu: Literal["own", "borrow"] = "own"
 
 
 @dataclass
@@ -407,6 +413,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"elastic.standby_workers={e.standby_workers} replaces lost workers during a recovery that "
                           f"keeps the survivors: set elastic.enabled=true and elastic.keep_survivors=true, "
                           f"or elastic.standby_workers=0")
+    if e.standby_gpu == "borrow" and not e.standby_workers:
+        raise ConfigError("elastic.standby_gpu=borrow says what standby workers hold, but elastic.standby_workers=0 "
+                          "starts none: set elastic.standby_workers (e.g. 1) or leave standby_gpu at own")
     if t.seed < 0:
         raise ConfigError(f"train.seed={t.seed} must be >= 0")
     for key, value in {"runtime.cpus_per_worker": r.cpus_per_worker, "runtime.placement_timeout_s": r.placement_timeout_s,

@@ -19,9 +19,10 @@ class WorkerResources:
     cpus: float
     gpus: int
 
-    def bundle(self) -> dict[str, float]:
+    def bundle(self, gpu: bool = True) -> dict[str, float]:
+        """One worker's bundle; `gpu=False`: its CPUs only (a standby that borrows a GPU)."""
         b = {"CPU": self.cpus}
-        if self.gpus:
+        if self.gpus and gpu:
             b["GPU"] = self.gpus
         return b
 

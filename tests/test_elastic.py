@@ -15,6 +15,7 @@ from raypar.resources import ResourceError
 from raypar.topology import Grid
 from raypar.driver.trainer import Trainer
 
+from actors.placement import slot_key
 from helpers import KillWorker, last_loss_per_step, run_config
 
 MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2}
@@ -122,6 +123,8 @@ class KillWithStandby(Callback):
         self.kills = {2: 1, 5: 0}
         self.standby_ids: list[str] = []
         self.grids_after: list[list[str]] = []
+        self.slots_before: list[list] = []
+        self.slots_after: list[list] = []
 
     def on_step_end(self, trainer, record):
         rank = self.kills.pop(record.step, None)
@@ -130,20 +133,30 @@ class KillWithStandby(Callback):
         standby = trainer.group.reserve.standbys[0][0]
         ray.get(standby.address.remote(), timeout=60)  # the refilled one may still be starting
         self.standby_ids.append(standby._actor_id.hex())
+        self.slots_before.append([slot_key(s) for s in trainer.group.slots])
         ray.kill(trainer.group.workers[rank])
 
     def on_recovery(self, trainer, event):
         assert len(trainer.group.reserve.standbys) == 1  # refilled from the lost worker's resources
         self.grids_after.append([w._actor_id.hex() for w in trainer.group.workers])
+        self.slots_after.append([slot_key(s) for s in trainer.group.slots])
 
 
-def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, uninterrupted):
+@pytest.mark.parametrize("standby_gpu", ["own", "borrow"])
+def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, uninterrupted, standby_gpu):
     """elastic.standby_workers=1: each recovery puts the started standby in the lost worker's
-    place (no worker is started) and starts a new standby; the result is the uninterrupted one."""
+    place (no worker is started) and starts a new standby; the result is the uninterrupted one.
+    A standby that borrows (it holds CPUs only) runs in the lost worker's bundle, on its GPU
+    where there is one, and its own bundle takes the next standby."""
     reference = uninterrupted((1, 2, 1), None)
     kills = KillWithStandby()
-    trainer = Trainer(elastic_config(tmp_path, "standby", (1, 2, 1), standby_workers=1), callbacks=[kills])
+    cfg = elastic_config(tmp_path, "standby", (1, 2, 1), standby_workers=1, standby_gpu=standby_gpu)
+    trainer = Trainer(cfg, callbacks=[kills])
     summary = trainer.fit()
+    # Each standby kept its own bundle and took the lost rank's place; one that borrows ran on the
+    # lost worker's GPU (on GPU runs), whose bundle then hosted the next standby.
+    for lost, before, after in zip((1, 0), kills.slots_before, kills.slots_after):
+        assert after[lost] != before[lost] and after[1 - lost] == before[1 - lost]
     assert len(summary.recoveries) == 2 and len(kills.standby_ids) == 2
     for event in summary.recoveries:
         print(f"\nrecovery with a standby: recovered in {event['recovery_s']:.2f}s (workers up "
