@@ -50,6 +50,7 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
 class WorkerMemory:
     def __init__(self, group) -> None:
         self.group = group
+        self.generation = 0  # of the peers set last: a replica sent for an earlier one is dropped
 
     def set_peers(self) -> None:
         """Tell each worker where its copies go (after every setup: ranks and nodes change),
@@ -59,7 +60,8 @@ class WorkerMemory:
         peers = [peer_of(r, nodes) if len(nodes) > 1 else r for r in range(len(nodes))]
         check_host_memory(g.cfg.elastic.memory_every, nodes, [i["state_bytes"] for i in g.info],
                           [i["host_available_bytes"] for i in g.info], peers, [i["node"] for i in g.info])
-        refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None)
+        self.generation += 1
+        refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None, self.generation)
                 for r, (w, peer) in enumerate(zip(g.workers, peers))]
         g.get(refs, g.cfg.runtime.step_timeout_s, "set_memory_peer")
 

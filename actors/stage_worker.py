@@ -174,6 +174,10 @@ class StageWorker:
         self.runtime = StageRuntime(self.cfg, self.grid, self.rank, groups, self.device, dataset, init_weights,
                                     self._snapshot_buffers)
         self._snapshot_buffers = {}
+        if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
+            # The copies' host buffers now, not beside the first steps (counted in "build").
+            self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
+                                                                 pin=self.device.type == "cuda")
         # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
@@ -257,28 +261,32 @@ class StageWorker:
 
     # -- states in memory (elastic.memory_every) ------------------------------------------
 
-    def set_memory_peer(self, peer) -> None:
-        """The worker this one's copies go to (None: no other worker)."""
+    def set_memory_peer(self, peer, generation: int) -> None:
+        """The worker this one's copies go to (None: no other worker), set for the peers'
+        `generation` (one per plan): replicas sent for an earlier one are dropped on arrival."""
         self._peer = peer
+        self.recent.generation = generation
 
     def _send_replica(self, steps_done: int) -> None:
         """Send the copy of the state after `steps_done` steps to the peer and wait until it
-        holds it (the next copy waits too: it may reuse these buffers). Runs on the copy's
-        thread; a peer that is gone or slow costs that copy its replica, nothing else."""
+        holds it. Runs on the copy's thread, and no new copy starts meanwhile (it could reuse
+        these buffers): a slow peer spaces this worker's copies out; a lost one costs that
+        copy its replica."""
         peer = self._peer
         if peer is None:
             return
         try:
             ref = ray.put(pack(self.recent.own(steps_done)))
-            ray.get(peer.keep_replica.remote(self.rank, steps_done, [ref]), timeout=self.cfg.checkpoint.timeout_s)
+            ray.get(peer.keep_replica.remote(self.rank, steps_done, [ref], self.recent.generation),
+                    timeout=self.cfg.checkpoint.timeout_s)
         except Exception as e:  # noqa: BLE001 - the recovery falls back to an older step or storage
             print(f"raypar: rank {self.rank}: the replica of step {steps_done} was not kept ({type(e).__name__}: {e})",
                   flush=True)
 
     @ray.method(concurrency_group="memory")
-    def keep_replica(self, rank: int, steps_done: int, refs: list) -> None:
+    def keep_replica(self, rank: int, steps_done: int, refs: list, generation: int) -> None:
         """Keep a peer's state after `steps_done` steps, copied into this process's memory."""
-        self.recent.keep_replica(rank, steps_done, unpack(ray.get(refs[0])))
+        self.recent.keep_replica(rank, steps_done, unpack(ray.get(refs[0])), generation)
 
     def memory_inventory(self) -> list[tuple[int, int]]:
         """(rank, steps done) of every whole state this worker holds, its own and replicas."""
@@ -342,6 +350,7 @@ class StageWorker:
             self.failed = None
             self.salvage = salvage
             host_wait.clear()
+        self.recent.freeze()  # what a recovery from memory will ask for and fetch
         if self.runtime is not None:
             self._snapshot_buffers = self.runtime.snapshot.release()
         self.runtime = None

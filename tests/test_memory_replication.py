@@ -84,7 +84,7 @@ class BlockReplicationThenKill(Callback):
                 time.sleep(0.01)
             self.replica_before_block = held
             # Steps -1: were it ever kept, it is older than every real step (it is not: see Gate.wait).
-            self.blocked = workers[self.peer].keep_replica.remote(VICTIM, -1, [self.gate.wait.remote(GATE_TIMEOUT_S)])
+            self.blocked = workers[self.peer].keep_replica.remote(VICTIM, -1, [self.gate.wait.remote(GATE_TIMEOUT_S)], -1)
         elif record.step == BLOCK_AT + 1 and self.blocked is not None and not self.killed:
             # The victim has made its copy of the state after BLOCK_AT + 2 steps; its replica
             # waits behind the blocked call: the peer still holds only the one before.

@@ -21,14 +21,48 @@ def test_keeps_the_three_newest_copies_as_they_were_and_replicas_by_rank():
         w.fill_(steps_done)
         assert _take(recent, 0, steps_done, {"w": w})
         recent.settle()
-    recent.keep_replica(1, 2, {"w": torch.full((4,), 20.0)})
-    recent.keep_replica(1, 1, {"w": torch.full((4,), 10.0)})  # older than the one held: ignored
+    recent.keep_replica(1, 2, {"w": torch.full((4,), 20.0)}, generation=0)
+    recent.keep_replica(1, 1, {"w": torch.full((4,), 10.0)}, generation=0)  # older than the one held: ignored
     assert sorted(recent.inventory()) == [(0, 2), (0, 3), (0, 4), (1, 2)]
     assert torch.equal(recent.tensors(0, 2)["w"], torch.full((4,), 2.0))
     assert torch.equal(recent.tensors(0, 3)["rng"], torch.tensor([0]))
     assert torch.equal(recent.tensors(1, 2)["w"], torch.full((4,), 20.0))
     recent.clear()
     assert recent.inventory() == []
+
+
+def test_a_replica_sent_for_earlier_peers_is_dropped():
+    """After a re-plan (new ranks, new peers) a replica still on its way from before must not
+    be kept under the new grid's rank numbers."""
+    recent = RecentStates()
+    recent.generation = 2
+    recent.keep_replica(1, 5, {"w": torch.ones(2)}, generation=1)
+    assert recent.inventory() == []
+    recent.keep_replica(1, 5, {"w": torch.ones(2)}, generation=2)
+    assert recent.inventory() == [(1, 5)]
+
+
+def test_frozen_states_stay_as_they_were_until_cleared():
+    recent = RecentStates()
+    recent.generation = 1
+    release = threading.Event()
+    assert _take(recent, 0, 1, {"w": torch.ones(2)})
+    recent.settle()
+    assert _take(recent, 0, 2, {"w": torch.ones(2)}, on_complete=lambda s: release.wait(10))
+    recent.freeze()  # a failure: step 2's copy is whole but still being sent, a replica on its way
+    recent.keep_replica(1, 2, {"w": torch.ones(2)}, generation=1)
+    release.set()
+    recent.settle()
+    assert sorted(recent.inventory()) == [(0, 1), (0, 2)]
+
+
+def test_copies_go_into_reserved_buffers():
+    recent = RecentStates()
+    assert recent.reserve({"w": (torch.Size([3]), torch.float32)}, pin=False) >= 0
+    w = torch.full((3,), 7.0)
+    assert _take(recent, 0, 1, {"w": w})
+    recent.settle()
+    assert torch.equal(recent.tensors(0, 1)["w"], w)
 
 
 def test_a_copy_due_while_the_last_is_still_being_sent_is_skipped():

@@ -47,6 +47,9 @@ WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ra
 
 # status.json is rewritten at most this often while steps run (and when the run ends).
 STATUS_EVERY_S = 1.0
+# Steps whose samples consumed the driver remembers for a recovery from memory: enough to
+# cover a replica that lags its owner's copies by as many steps as one replication takes.
+MEMORY_STEPS_KEPT = 256
 
 
 @dataclass
@@ -314,7 +317,9 @@ class Controller:
             self.saver.poll()
         if sent.memory:
             self._memory_steps[step + 1] = record.consumed_samples
-            for old in sorted(self._memory_steps)[:-4]:  # workers keep three; a replica may lag one
+            # Workers keep their three newest copies and replicas of a peer's, which may be many
+            # steps old: a copy is skipped while the last one is still being sent.
+            for old in sorted(self._memory_steps)[:-MEMORY_STEPS_KEPT]:
                 del self._memory_steps[old]
         record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
         records.append(record)

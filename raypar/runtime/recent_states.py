@@ -15,6 +15,7 @@ pickling them; numpy has no bfloat16), with their dtype and shape beside them.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from typing import Callable
 
@@ -62,6 +63,7 @@ class RecentStates:
         self._sending: threading.Thread | None = None  # makes and sends the copy under way
         self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
         self._replicas: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # rank -> (step, tensors)
+        self.generation = 0  # of the peers set (`StageWorker.set_memory_peer`): replicas name theirs
         self.skipped = 0  # copies not taken because the last one was still being made
 
     def begin(self, rank: int, step: int, collect: Callable[[], dict[str, torch.Tensor]],
@@ -100,6 +102,22 @@ class RecentStates:
         self._sending.start()
         return True
 
+    def reserve(self, layout, pin: bool) -> float:
+        """Allocate every copy's host buffers for `layout` now, all at once, and wait: pinning
+        gigabytes takes seconds and holds up the process's CUDA calls, which at the run's start
+        costs its setup, and later would cost steps. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        with self._lock:
+            # Not the copies a recovery may still restore from (they keep their buffers, which
+            # fit the next copies too while the grid stays the same).
+            held = [*self._complete.values(), self._copying]
+            free = [c for c in self._copies if not any(c is h for h in held)]
+        for copy in free:
+            copy.reserve(layout, pin=pin)
+        for copy in free:
+            copy.wait_reserved()
+        return time.perf_counter() - t0
+
     def settle(self) -> None:
         """Wait until the copy under way (if any) is made and sent."""
         sending = self._sending
@@ -115,8 +133,12 @@ class RecentStates:
         with self._lock:
             return self._complete[step].host_tensors()
 
-    def keep_replica(self, rank: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    def keep_replica(self, rank: int, step: int, tensors: dict[str, torch.Tensor], generation: int) -> None:
+        """Keep `rank`'s state after `step` steps, sent for the peers set in `generation`; one
+        sent for an earlier generation (before a re-plan renumbered the ranks) is dropped."""
         with self._lock:
+            if generation != self.generation:
+                return
             if rank not in self._replicas or self._replicas[rank][0] < step:
                 self._replicas[rank] = (step, tensors)
 
@@ -136,6 +158,14 @@ class RecentStates:
             else:
                 raise KeyError((rank, step))
         return copy.host_tensors()
+
+    def freeze(self) -> None:
+        """Hold what is whole now, unchanged until `clear`: a copy finished later is dropped, as
+        is a replica sent before the peers are set again. After a failure the controller asks
+        what each worker holds and then fetches it; nothing may replace it in between."""
+        with self._lock:
+            self._cleared += 1
+            self.generation = -1
 
     def clear(self) -> None:
         """Forget every copy and replica (after a restore: the new grid's ranks differ), and

@@ -68,6 +68,11 @@ class StateSnapshot:
         self._reserving = threading.Thread(target=allocate, name="snapshot-reserve", daemon=True)
         self._reserving.start()
 
+    def wait_reserved(self) -> None:
+        """Until `reserve`'s buffers are allocated."""
+        if self._reserving is not None:
+            self._reserving.join()
+
     def _fits(self, name: str, shape, dtype) -> bool:
         buf = self._buffers.get(name)
         return buf is not None and buf.shape == shape and buf.dtype == dtype

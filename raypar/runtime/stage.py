@@ -532,9 +532,13 @@ class StageRuntime:
                      on_complete)
         return time.perf_counter() - t0
 
+    def memory_layout(self):
+        """Shape and dtype of what `keep_recent` copies (RNG states aside)."""
+        return state_layout(self.optimizer, None)
+
     def state_bytes(self) -> int:
         """Bytes of all the state this worker holds (what `keep_recent` copies)."""
-        return sum(shape.numel() * dtype.itemsize for shape, dtype in state_layout(self.optimizer, None).values())
+        return sum(shape.numel() * dtype.itemsize for shape, dtype in self.memory_layout().values())
 
     def state_names(self) -> set[str]:
         """Every name this worker's state has (all it holds and its RNG's): what a load needs."""
