@@ -175,9 +175,10 @@ class StageWorker:
                                     self._snapshot_buffers)
         self._snapshot_buffers = {}
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
-            # The copies' host buffers now, not beside the first steps (counted in "build").
+            # The copies' host buffers: at the run's start before the first step (counted in
+            # "build"); in a recovery beside the steps after it, which should not wait.
             self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
-                                                                 pin=self.device.type == "cuda")
+                                                                 pin=self.device.type == "cuda", wait=cfg is None)
         # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
@@ -218,6 +219,7 @@ class StageWorker:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
             if memory:
                 report.checkpoint_stall_s += self.runtime.keep_recent(step, self.recent, self._send_replica)
+            report.memory_busy = self.recent.busy(step + 1)
         except BaseException as e:
             self.failed = f"step {step} failed ({type(e).__name__})"
             self._break_groups()

@@ -95,9 +95,9 @@ def run(ctx: "Context") -> list[dict]:
     steps = 12 if ctx.cpu else 200
     gpus, pp = ray_gpus(), 2
     kinds = [("without a standby", [])]
-    if ctx.cpu or gpus > pp:
+    if gpus > pp:
         kinds.append(("with a standby holding a GPU of its own", ["elastic.standby_workers=1"]))
-    else:
+    elif not ctx.cpu:  # on CPU a standby holds no GPU either way: the borrowing row runs its path
         kinds.append(("with a standby holding a GPU of its own", None))
     if ctx.cpu or gpus >= pp:
         kinds.append(("with a standby borrowing the lost worker's GPU",

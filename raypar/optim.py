@@ -122,6 +122,8 @@ class MasterOptimizer:
     @staticmethod
     def _accumulate_into(master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
+            if p.grad is None:  # a backward that left this weight's gradient for later (split_backward)
+                return
             master.grad.add_(p.grad)
             p.grad = None
 

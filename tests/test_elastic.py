@@ -177,6 +177,8 @@ def test_standby_workers_need_a_recovery_that_keeps_survivors(tmp_path):
         load_config(None, ["elastic.standby_workers=1"])
     with pytest.raises(ConfigError, match="elastic.standby_workers=-1 >= 0"):
         load_config(None, ["elastic.enabled=true", "elastic.standby_workers=-1"])
+    with pytest.raises(ConfigError, match="elastic.standby_gpu=borrow .* elastic.standby_workers=0 starts none"):
+        load_config(None, ["elastic.enabled=true", "elastic.standby_gpu=borrow"])
 
 
 class KillAgainAfterRecovery(KillWorker):

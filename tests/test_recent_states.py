@@ -69,8 +69,12 @@ def test_a_copy_due_while_the_last_is_still_being_sent_is_skipped():
     recent = RecentStates()
     release = threading.Event()
     assert _take(recent, 0, 1, {"w": torch.ones(2)}, on_complete=lambda s: release.wait(10))
+    assert not recent.busy(1)  # the copy just begun: it usually ends within a step
+    assert recent.busy(2)  # a step later it is still being sent: the driver asks for no copy
     assert not _take(recent, 0, 2, {"w": torch.ones(2)}) and recent.skipped == 1
     release.set()
+    recent.settle()
+    assert not recent.busy(2)
 
 
 def test_pack_and_unpack_keep_dtype_shape_and_values():

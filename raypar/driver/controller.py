@@ -92,6 +92,7 @@ class Controller:
         # the failed grid and those steps.
         self._memory_steps: dict[int, int] = {}
         self._memory_from: tuple[Grid, dict[int, int]] | None = None
+        self._memory_busy = False  # some worker was still copying or sending at its last report
         self._next_plan: Plan | None = None
         self._max_step_done = 0
         self._step_started: float | None = None  # when the step being waited for could start (perf_counter)
@@ -282,7 +283,9 @@ class Controller:
         # step's for a forward issued ahead.
         following = ids_after(consumed + gbs) if step + 1 < self.cfg.train.steps else None
         e = self.cfg.elastic
-        memory = e.enabled and e.memory_every > 0 and (step + 1) % e.memory_every == 0
+        # Only when every worker can take the copy (the last reports): a step some worker skips
+        # is whole nowhere, and workers that skip on their own would copy different steps.
+        memory = e.enabled and e.memory_every > 0 and (step + 1) % e.memory_every == 0 and not self._memory_busy
         issued_at = time.perf_counter()
         refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following,
                                      memory=memory)
@@ -296,6 +299,7 @@ class Controller:
         reports = self.group.wait_reports(sent.step, sent.refs)
         self._last_step_done = time.perf_counter()
         reports = self.group.complete_reports(reports)
+        self._memory_busy = any(r.memory_busy for r in reports)
         # Each action's measured span, per worker: enough to redraw the step's timeline.
         events.add(sent.step, reports, self.grid)
         gbs = self.cfg.train.global_batch_size
@@ -469,6 +473,7 @@ class Controller:
                 self.log(f"raypar: {why}")
             raise error
         self.states.to(State.RECOVERING, repr(error)[:200])
+        self._memory_busy = False  # the workers' copies after the restore start afresh
         if self._memory_steps:
             # What the workers keep in memory is of this grid and these steps.
             self._memory_from, self._memory_steps = (self.grid, dict(self._memory_steps)), {}

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar.model.split_backward import Linear
+
 __all__ = ["RMSNorm", "FeedForward", "rope_tables", "apply_rope"]
 
 
@@ -60,9 +62,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False, dtype=dtype)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False, dtype=dtype)  # down
+        self.w1 = Linear(dim, hidden_dim, bias=False, dtype=dtype)  # gate
+        self.w3 = Linear(dim, hidden_dim, bias=False, dtype=dtype)  # up
+        self.w2 = Linear(hidden_dim, dim, bias=False, dtype=dtype)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -26,6 +26,7 @@ from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
 from raypar.kernels.moe_layout import invert_rows, padded_recv_layout, padded_send_layout
 from raypar.model.experts import GroupedExperts, group_alignment, grouped_layout
+from raypar.model.split_backward import Linear
 
 
 class MoEStats:
@@ -199,7 +200,7 @@ class MoE(nn.Module):
         self.z_coef = cfg.moe_z_loss_coef
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.local = cfg.n_experts // ep_size
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False, dtype=dtype)
+        self.router = Linear(cfg.dim, cfg.n_experts, bias=False, dtype=dtype)
         self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, ep_rank * self.local, self.local,
                                       dtype=dtype)
         self.ep_group = None  # set by the runtime when ep_size > 1

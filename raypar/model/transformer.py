@@ -20,6 +20,7 @@ from raypar.kernels import dropout_add, site_salt
 from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
+from raypar.model.split_backward import Linear
 
 __all__ = [
     "Attention",
@@ -54,10 +55,10 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False, dtype=dtype)
+        self.wq = Linear(cfg.dim, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wv = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wo = Linear(self.n_heads * self.head_dim, cfg.dim, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -157,7 +158,7 @@ class Transformer(nn.Module):
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
-            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+            self.head = Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
 
         # Non-persistent: derived from cfg, so they stay out of checkpoints and names.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)

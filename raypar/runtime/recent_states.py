@@ -79,6 +79,9 @@ class RecentStates:
                 self._complete.clear()
                 self._rank = rank
             free = next(c for c in self._copies if c not in self._complete.values())
+            if free.reserving():  # pinning its buffers (after a recovery): copying would wait
+                self.skipped += 1
+                return False
             self._copying = free
             cleared = self._cleared
         free.begin(step, collect, taken, cuda)
@@ -102,10 +105,12 @@ class RecentStates:
         self._sending.start()
         return True
 
-    def reserve(self, layout, pin: bool) -> float:
-        """Allocate every copy's host buffers for `layout` now, all at once, and wait: pinning
-        gigabytes takes seconds and holds up the process's CUDA calls, which at the run's start
-        costs its setup, and later would cost steps. Returns the seconds it took."""
+    def reserve(self, layout, pin: bool, wait: bool = True) -> float:
+        """Allocate every copy's host buffers for `layout` (those it lacks), all at once.
+        Pinning gigabytes takes seconds and holds up the process's CUDA calls: at the run's
+        start `wait` makes setup pay for it rather than the first steps; in a recovery the
+        next step should not wait for it (`wait=False`: on background threads, which a copy
+        joins before it starts). Returns the seconds waited."""
         t0 = time.perf_counter()
         with self._lock:
             # Not the copies a recovery may still restore from (they keep their buffers, which
@@ -114,9 +119,20 @@ class RecentStates:
             free = [c for c in self._copies if not any(c is h for h in held)]
         for copy in free:
             copy.reserve(layout, pin=pin)
-        for copy in free:
+        for copy in free if wait else ():
             copy.wait_reserved()
         return time.perf_counter() - t0
+
+    def busy(self, steps_done: int) -> bool:
+        """Whether a copy asked for after the next step would likely be skipped: one of a state
+        before `steps_done` steps is still being made or sent (the copy just begun for
+        `steps_done` itself is not counted: it usually ends within a step), or the buffers are
+        still being pinned."""
+        with self._lock:
+            if self._copying is not None:
+                return self._copying.step != steps_done
+            free = next((c for c in self._copies if c not in self._complete.values()), None)
+            return free is not None and free.reserving()
 
     def settle(self) -> None:
         """Wait until the copy under way (if any) is made and sent."""

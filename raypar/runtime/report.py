@@ -93,6 +93,11 @@ class StepReport:
     grad_norm: float | None  # first stage only: one norm over the whole model, which that stage is last to finish
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
+    # Still making or sending a copy of its state in memory (elastic.memory_every) from
+    # before this step when it reported: a copy asked for now would likely be skipped, so the
+    # driver asks for none until every worker can take one (copies of the same steps on
+    # every worker).
+    memory_busy: bool = False
     # False: a first stage reported without waiting for its device (`StageRuntime.report_tail`
     # brings the rest); until `complete_report`, it lacks its pending units, end_of_backward
     # and every value read from the device.

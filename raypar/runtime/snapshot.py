@@ -68,6 +68,10 @@ class StateSnapshot:
         self._reserving = threading.Thread(target=allocate, name="snapshot-reserve", daemon=True)
         self._reserving.start()
 
+    def reserving(self) -> bool:
+        """Whether `reserve`'s buffers are still being allocated."""
+        return self._reserving is not None and self._reserving.is_alive()
+
     def wait_reserved(self) -> None:
         """Until `reserve`'s buffers are allocated."""
         if self._reserving is not None:
