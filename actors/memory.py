@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from raypar.config import ConfigError
-from raypar.runtime.recent_states import OWN_KEPT
+from raypar.runtime.recent_states import OWN_KEPT, REPLICAS_KEPT
 
 
 
@@ -25,8 +25,8 @@ def peer_of(rank: int, nodes: list[str]) -> int:
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
                       peers: list[int], node_names: list[str] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
-    copies of its own state (three kept, one being made) and the replica it keeps for its
-    peer. Lists are by rank; `available` is what each worker's host reported free."""
+    copies of its own state (three kept, one being made) and the replicas it keeps for its
+    peer (the two newest). Lists are by rank; `available` is what each worker's host reported free."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     count: dict[str, int] = {}
@@ -36,7 +36,7 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
         count[node] = count.get(node, 0) + 1
     for source, keeper in enumerate(peers):
         if keeper != source:
-            need[nodes[keeper]] += state_bytes[source]
+            need[nodes[keeper]] += REPLICAS_KEPT * state_bytes[source]
     names = dict(zip(nodes, node_names or nodes))
     for node, bytes_needed in need.items():
         if bytes_needed > free[node]:

@@ -188,7 +188,7 @@ class ElasticConfig:
     # step, and send the copy to a peer worker (on another node where there is one): a
     # recovery restores the newest step every rank has somewhere, so at most N steps are
     # redone, without reading storage. 0: recover from checkpoints only. Host memory per
-    # worker: about five times its state (three own copies, one being made, a peer's).
+    # worker: about six times its state (three own copies, one being made, two of a peer's).
     memory_every: int = 1
     resource_timeout_s: float = 60.0  # how long planning waits for enough resources
     grow: bool = True  # move back toward the configured grid at a checkpoint when resources return

@@ -8,6 +8,7 @@ most one step) and GREW when it moved back to the configured grid after a node w
 exits non-zero on any failure.
 """
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -28,6 +29,9 @@ class NodeChaos(Callback):
     def on_step_end(self, trainer, record):
         self.grids.append(str(trainer.grid))
         if record.step == 3 and self.doomed is not None:
+            # Once the other node holds the doomed node's newest copies: its ranks can come back
+            # from those replicas (the newest checkpoint is never newer than they are).
+            self.wait_for_replicas(trainer)
             print("removing a node", flush=True)
             self.cluster.remove_node(self.doomed, allow_graceful=False)
             self.doomed = None
@@ -37,6 +41,20 @@ class NodeChaos(Callback):
             # Steps take a fraction of a second: without waiting, a node that registers
             # slowly (a loaded machine) can miss every checkpoint left to grow at.
             self.cluster.wait_for_nodes()
+
+    def wait_for_replicas(self, trainer, timeout_s: float = 60.0) -> None:
+        workers, info = trainer.group.workers, trainer.group.info
+        doomed = [r for r, i in enumerate(info) if i["node_id"] == self.doomed.node_id]
+        kept = [w for r, w in enumerate(workers) if r not in doomed]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            newest = {r: max((s for rank, s in ray.get(workers[r].memory_inventory.remote()) if rank == r), default=None)
+                      for r in doomed}
+            held = {entry for w in kept for entry in ray.get(w.memory_inventory.remote())}
+            if all(s is not None and (r, s) in held for r, s in newest.items()):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the other node never held the replicas of ranks {doomed}")
 
 
 def main(tmp: Path) -> int:

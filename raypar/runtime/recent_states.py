@@ -29,6 +29,10 @@ Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 # Complete copies of its own state a worker keeps: a lost peer's replica may lag the
 # driver's newest complete step by one, and a survivor may have run one step past it.
 OWN_KEPT = 3
+# Replicas a worker keeps of each peer's state: the newest may be of a step the driver has
+# not seen every report of when a failure comes (the peer ran ahead), so the one before it
+# stays too.
+REPLICAS_KEPT = 2
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> Packed:
@@ -62,7 +66,7 @@ class RecentStates:
         self._copying: StateSnapshot | None = None
         self._sending: threading.Thread | None = None  # makes and sends the copy under way
         self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
-        self._replicas: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # rank -> (step, tensors)
+        self._replicas: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # rank -> step -> tensors
         self.generation = 0  # of the peers set (`StageWorker.set_memory_peer`): replicas name theirs
         self.skipped = 0  # copies not taken because the last one was still being made
 
@@ -155,22 +159,24 @@ class RecentStates:
         with self._lock:
             if generation != self.generation:
                 return
-            if rank not in self._replicas or self._replicas[rank][0] < step:
-                self._replicas[rank] = (step, tensors)
+            held = self._replicas.setdefault(rank, {})
+            held[step] = tensors
+            for old in sorted(held)[:-REPLICAS_KEPT]:
+                del held[old]
 
     def inventory(self) -> list[tuple[int, int]]:
         """(rank, step) of every whole state held: own copies and replicas."""
         with self._lock:
             own = [(self._rank, s) for s in self._complete] if self._rank is not None else []
-            return own + [(r, s) for r, (s, _) in self._replicas.items()]
+            return own + [(r, s) for r, held in self._replicas.items() for s in held]
 
     def tensors(self, rank: int, step: int) -> dict[str, torch.Tensor]:
         """The state of `rank` after `step` steps, own or replica (KeyError when not held)."""
         with self._lock:
             if rank == self._rank and step in self._complete:
                 copy = self._complete[step]
-            elif rank in self._replicas and self._replicas[rank][0] == step:
-                return self._replicas[rank][1]
+            elif step in self._replicas.get(rank, {}):
+                return self._replicas[rank][step]
             else:
                 raise KeyError((rank, step))
         return copy.host_tensors()
