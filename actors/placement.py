@@ -69,7 +69,8 @@ class Placement:
         pg, bundle = slot
         env = None
         if self.resources.device == "cuda":
-            env = {"env_vars": {**GPU_ENV, **({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if borrows_gpu else {})}}
+            env_vars = {**GPU_ENV, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if borrows_gpu else GPU_ENV
+            env = {"env_vars": env_vars}
         return StageWorker.options(
             num_cpus=self.resources.cpus,
             num_gpus=0 if borrows_gpu else self.resources.gpus,

@@ -38,7 +38,7 @@ class Linear(nn.Linear):
     split_backward = False  # set by `set_split_backward`
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.split_backward and self.bias is None and torch.is_grad_enabled():
+        if self.split_backward and torch.is_grad_enabled():  # set only on layers without a bias
             return _SplitLinear.apply(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 

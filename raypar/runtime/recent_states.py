@@ -1,13 +1,13 @@
-"""A worker's newest states in host memory, and a replica of a peer's, for recovery
+"""A worker's newest states in host memory, and replicas of a peer's, for recovery
 without storage (`elastic.memory_every`).
 
 After every K-th step a worker copies all the state it holds (weights, fp32 masters, AdamW,
 EMA, RNG) into host memory, beside the next step as a checkpoint snapshot does
 (`StateSnapshot`), and keeps its three newest complete copies. Each complete copy is then
-sent to one peer (a worker on another node where there is one), which keeps the newest it
-received whole. After a failure the controller asks the survivors what they hold and
+sent to one peer (a worker on another node where there is one), which keeps the two newest
+it received whole. After a failure the controller asks the survivors what they hold and
 restores the newest step every rank of the failed grid has somewhere: a lost rank's from
-its peer's replica, since a replica may lag its owner's newest copy by one.
+its peer's replica, which lags its owner's newest copy by as long as sending one takes.
 
 Tensors travel between processes as raw bytes in numpy arrays (Ray moves those without
 pickling them; numpy has no bfloat16), with their dtype and shape beside them.
@@ -74,7 +74,8 @@ class RecentStates:
               taken: dict[str, torch.Tensor], cuda: bool, on_complete: Callable[[int], None]) -> bool:
         """Copy the state after `step` steps (`StateSnapshot.begin`'s arguments) on a thread of
         its own; `on_complete(step)` runs on it once the copy is whole (it sends the replica).
-        Returns False (and copies nothing) while the last copy is still being made or sent."""
+        Returns False (and copies nothing) while the last copy is still being made or sent, or
+        while the next copy's buffers are still being pinned."""
         with self._lock:
             if self._copying is not None:
                 self.skipped += 1
@@ -82,7 +83,7 @@ class RecentStates:
             if self._rank != rank:
                 self._complete.clear()
                 self._rank = rank
-            free = next(c for c in self._copies if c not in self._complete.values())
+            free = self._next_copy()
             if free.reserving():  # pinning its buffers (after a recovery): copying would wait
                 self.skipped += 1
                 return False
@@ -109,18 +110,21 @@ class RecentStates:
         self._sending.start()
         return True
 
+    def _next_copy(self) -> StateSnapshot:
+        """The copy the next state goes into: one that holds no complete state (the lock held)."""
+        return next(c for c in self._copies if c not in self._complete.values())
+
     def reserve(self, layout, pin: bool, wait: bool = True) -> float:
         """Allocate every copy's host buffers for `layout` (those it lacks), all at once.
         Pinning gigabytes takes seconds and holds up the process's CUDA calls: at the run's
         start `wait` makes setup pay for it rather than the first steps; in a recovery the
-        next step should not wait for it (`wait=False`: on background threads, which a copy
-        joins before it starts). Returns the seconds waited."""
+        next step should not wait for it (`wait=False`: on background threads; no copy is
+        taken until they are done). Returns the seconds waited."""
         t0 = time.perf_counter()
         with self._lock:
             # Not the copies a recovery may still restore from (they keep their buffers, which
             # fit the next copies too while the grid stays the same).
-            held = [*self._complete.values(), self._copying]
-            free = [c for c in self._copies if not any(c is h for h in held)]
+            free = [c for c in self._copies if c not in self._complete.values() and c is not self._copying]
         for copy in free:
             copy.reserve(layout, pin=pin)
         for copy in free if wait else ():
@@ -135,8 +139,7 @@ class RecentStates:
         with self._lock:
             if self._copying is not None:
                 return self._copying.step != steps_done
-            free = next((c for c in self._copies if c not in self._complete.values()), None)
-            return free is not None and free.reserving()
+            return self._next_copy().reserving()
 
     def settle(self) -> None:
         """Wait until the copy under way (if any) is made and sent."""
