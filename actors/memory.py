@@ -65,9 +65,9 @@ class WorkerMemory:
                 for r, (w, peer) in enumerate(zip(g.workers, peers))]
         g.get(refs, g.cfg.runtime.step_timeout_s, "set_memory_peer")
 
-    def newest_whole(self, ranks: int, steps: list[int]) -> tuple[int, dict[int, int]] | None:
+    def newest_whole(self, ranks: int, steps: list[int]) -> tuple[int, dict[int, int]] | str:
         """The newest of `steps` whose state every rank of a `ranks`-worker grid has on some
-        live worker, and which worker (index) holds each rank's; None when there is none."""
+        live worker, and which worker (index) holds each rank's; else why there is none."""
         g = self.group
         held: dict[tuple[int, int], int] = {}
         inventories = g.get([w.memory_inventory.remote() for w in g.workers], g.cfg.runtime.step_timeout_s,
@@ -78,7 +78,9 @@ class WorkerMemory:
         for step in sorted(steps, reverse=True):
             if all((r, step) in held for r in range(ranks)):
                 return step, {r: held[r, step] for r in range(ranks)}
-        return None
+        by_rank = {r: sorted(s for (q, s) in held if q == r) for r in range(ranks)}
+        return (f"no step in memory for every rank (steps the driver saw copied: {sorted(steps)[-6:]}; "
+                f"held by rank: {by_rank})")
 
     def restore(self, step: int, holders: dict[int, int], same_grid: bool) -> tuple[list[dict], float]:
         """Load the state after `step` steps into every worker from the holders' memory (each

@@ -19,7 +19,7 @@ from raypar.data import TokenDataset
 from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.profile import profiled
-from raypar.runtime.recent_states import RecentStates, pack, unpack
+from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
 from raypar.schedule import Action
@@ -103,7 +103,8 @@ class StageWorker:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
         taking a lost worker's place costs only `setup`: what torch imports on first building a
         stage (a meta-device build: no memory), the data, the CUDA context, the kernels and
-        the pinned buffers of checkpoint snapshots (seconds for a 1B model's stage)."""
+        the pinned buffers of checkpoint snapshots and of copies in memory (seconds for a 1B
+        model's stage: pinned in a recovery, they would hold up its load and first step)."""
         from raypar.runtime.snapshot import pinned_buffers
         from raypar.runtime.state import snapshot_shapes_for_any_stage, takes_snapshots
 
@@ -126,6 +127,9 @@ class StageWorker:
                     torch.cuda.synchronize(index)
             if takes_snapshots(self.cfg):
                 self._snapshot_buffers = pinned_buffers(shapes)
+            if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
+                memory = snapshot_shapes_for_any_stage(self.cfg, self.grid, everything=True)
+                self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_KEPT + 1)])
 
     def take_gpu(self, gpu_id: str | None, lost_pid: int | None, timeout_s: float) -> float:
         """A borrowing standby replacing a worker of its node: wait until the lost worker's

@@ -51,6 +51,9 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
+# raypar's zero-bubble schedules, against its 1F1B and two devices' worth of the single one
+# (torch's zero-bubble classes need several stages per process, another model split).
+ZERO_BUBBLE = ["zb-h1", "zb-h2"]
 
 
 def run(ctx: "Context") -> list[dict]:
@@ -85,6 +88,12 @@ def run(ctx: "Context") -> list[dict]:
             rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
                 label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, compared_to=schedules[0][0],
                 breakdown=step_breakdown(c.runtime.run_dir)))
+            for schedule in ZERO_BUBBLE if launch == 0 else ():  # against the rows of every launch
+                label = f"raypar {schedule}"
+                c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true"], label)
+                rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
+                    label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, zero_bubble=True,
+                    breakdown=step_breakdown(c.runtime.run_dir)))
         # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
         rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
                             lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
@@ -97,6 +106,8 @@ def run(ctx: "Context") -> list[dict]:
     compare(rows, cfg)
     return rows
 
+
+BACKWARD = ("B", "I", "W")  # a whole backward, or its input- and weight-gradient parts
 
 # The step profiled with --profile: the first steps pay for warm-up.
 PROFILED_STEP = 2
@@ -182,6 +193,11 @@ def compare(rows: list[dict], cfg: "Config") -> None:
             continue
         r["vs_single_device"] = r["tokens_per_s"] / single["tokens_per_s"]
         r["vs_ideal_2_stage"] = r["tokens_per_s"] / (2 * single["tokens_per_s"] * (1 - (p - 1) / (m + p - 1)))
+        r["vs_2_devices"] = r["tokens_per_s"] / (2 * single["tokens_per_s"])  # a zero-bubble schedule's ideal
+    one_f_one_b = next((r for r in rows if r.get("label") == "raypar 1f1b" and "tokens_per_s" in r), None)
+    for r in rows:
+        if r.get("zero_bubble") and "tokens_per_s" in r and one_f_one_b is not None:
+            r["vs_1f1b"] = r["tokens_per_s"] / one_f_one_b["tokens_per_s"]
     costs = next((r for r in rows if r.get("kind") == "stage_costs" and "gpu_ms" in r), None)
     for r in rows:
         if costs is not None and r.get("breakdown"):
@@ -385,8 +401,8 @@ def step_breakdown(run_dir: str) -> list[dict]:
             called, reported = r["call"]
             # How far the host was ahead of the device when the step's first unit began.
             lead = 1000 * (events[0][2] - r["issued"][0]) if r.get("issued") else None
-            last_backward = max((e for _, op, _, e in events if op == "B"), default=last)
-            forward, backward = span("F"), span("B")
+            last_backward = max((e for _, op, _, e in events if op in BACKWARD), default=last)
+            forward, backward = span("F"), sum(span(op) for op in BACKWARD)
             window = 1000 * (last_backward - first)
             if i > 0:  # the first step pays for warm-up
                 by_stage[r["pp"]].append({
@@ -651,15 +667,16 @@ def table(rows: list[dict]) -> str:
         split = f" ({' / '.join(f'{p:+.1f}' for p in parts)})" if None not in parts else ""
         return fmt(b, "between_steps_ms", "{:.2f}") + split
     lines = ["| run | tokens/s | step ms | step ms on the device | bubble measured | vs single device | "
-             "vs ideal 2-stage | raypar / torch | raypar / torch on the device | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "vs ideal 2-stage | vs 2 devices | raypar / torch | raypar / torch on the device | vs raypar 1f1b | "
+             "final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("kind") == "profile":
             continue  # its own table below
         if r.get("kind") == "stage_costs":
             if "gpu_ms" in r:
                 lines.append(f"| {r['label']}: GPU {' / '.join(f'{x:.1f}' for x in r['gpu_ms'])} ms, host to issue it "
-                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | | | |")
+                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | | | | | |")
             continue
         label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
         if r.get("kind") == "single":
@@ -670,8 +687,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
                      f"{f'{on_device:.1f}' if on_device else '-'} | "
                      f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
-                     f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {vs_torch(r, '')} | "
-                     f"{vs_torch(r, '_on_device')} | {fmt(r, 'final_loss', '{:.4f}')} |")
+                     f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_2_devices', '{:.2f}')} | {vs_torch(r, '')} | "
+                     f"{vs_torch(r, '_on_device')} | {fmt(r, 'vs_1f1b', '{:.3f}')} | {fmt(r, 'final_loss', '{:.4f}')} |")
     broken = [r for r in rows if r.get("breakdown")]
     if broken:
         lines += ["", "Where each pipelined step goes, per stage (ms per step, mean over the steps after the first):", "",

@@ -1,5 +1,4 @@
-// Where an MoE layer's rows go in the padded all-to-all (raypar/model/moe.py,
-// `_exchange_padded`): one launch each side instead of some forty small torch ops, the
+// Where an MoE layer's rows go in the padded all-to-all (raypar/model/moe_exchange.py): one launch each side instead of some forty small torch ops, the
 // host-side cost that bounded the MoE step. Every block first builds the small tables
 // of counts in shared memory (E = ep * local experts <= MAX_EXPERTS), then each thread
 // places one row. Every output element is written by exactly one thread, so no output
@@ -9,13 +8,14 @@
 #define MAX_EXPERTS 1024
 
 // Sender. Slots are sorted by expert (`sorted_expert`, `order` the sort's permutation);
-// rank r gets block r of n rows, its slots first in sorted order, padding after. A slot
-// whose expert is E or more (dropped by the capacity) is sent nowhere and gets slot -1.
+// rank r gets block r of `block` >= n rows, its slots first in sorted order, padding
+// after (rows past n carry the block's counts: the caller writes them). A slot whose
+// expert is E or more (dropped by the capacity) is sent nowhere and gets slot -1.
 //   slots[order[i]] = row of sorted slot i, token[row] = order[i] / k,
 //   row_weight[row] = weight[order[i]]; padding rows get token 0 and weight 0.
 extern "C" __global__ void padded_send_layout(const i64* sorted_expert, const i64* order, const i64* send_counts,
                                               const float* weight, i64* slots, i64* token, float* row_weight,
-                                              i64 n, int k, int ep, int local) {
+                                              i64 n, i64 block, int k, int ep, int local) {
   __shared__ i64 first[MAX_EXPERTS + 1];  // first[r]: sorted slots before rank r's; first[ep]: all kept
   for (int r = threadIdx.x; r <= ep; r += blockDim.x) {
     i64 s = 0;
@@ -24,12 +24,12 @@ extern "C" __global__ void padded_send_layout(const i64* sorted_expert, const i6
   }
   __syncthreads();
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= (i64)ep * n) return;
+  if (t >= (i64)ep * block) return;
   if (t < n) {
     const i64 slot = order[t];
     const i64 r = sorted_expert[t] / local;
     if (r < ep) {
-      const i64 row = r * n + t - first[r];
+      const i64 row = r * block + t - first[r];
       slots[slot] = row;
       token[row] = slot / k;
       row_weight[row] = weight[slot];
@@ -37,8 +37,8 @@ extern "C" __global__ void padded_send_layout(const i64* sorted_expert, const i6
       slots[slot] = -1;
     }
   }
-  const i64 block = t / n, j = t % n;
-  if (j >= first[block + 1] - first[block]) {
+  const i64 rank = t / block, j = t % block;
+  if (j >= first[rank + 1] - first[rank]) {
     token[t] = 0;
     row_weight[t] = 0.f;
   }

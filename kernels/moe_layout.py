@@ -31,27 +31,31 @@ def _blocks(threads: int) -> int:
 
 
 def padded_send_layout(sorted_expert: Tensor, order: Tensor, send_counts: Tensor, weight: Tensor,
-                       k: int) -> tuple[Tensor, Tensor, Tensor]:
+                       k: int, block: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Sender side for n = order.numel() slots and ep = send_counts.shape[0] ranks.
 
     sorted_expert [n]: slots' experts in sorted order (E or more: dropped); order [n]: the
     sort's permutation of slot ids (slot = token * k + choice); send_counts [ep, local]
-    slots per expert; weight [n] fp32 router weights by slot id. Returns slots [n / k, k]
-    (the sent row of each slot, -1 when dropped), token [ep * n] and row_weight [ep * n]
-    (each sent row's token and weight; 0 for padding rows).
+    slots per expert; weight [n] fp32 router weights by slot id; block (>= n, default n):
+    rows per rank. Returns slots [n / k, k] (the sent row of each slot, -1 when dropped),
+    token [ep * block] and row_weight [ep * block] (each sent row's token and weight; 0 for
+    padding rows).
     """
     ep, local = send_counts.shape
     n = order.numel()
+    block = n if block is None else block
+    if block < n:
+        raise ValueError(f"padded_send_layout: block {block} < {n} slots: a rank may receive every slot")
     if _kernel_reason(order, ep * local) is not None:
-        return _send_reference(sorted_expert, order, send_counts, weight, k)
+        return _send_reference(sorted_expert, order, send_counts, weight, k, block)
     dev = order.device
     slots = torch.empty(n, dtype=torch.int64, device=dev)
-    token = torch.empty(ep * n, dtype=torch.int64, device=dev)
-    row_weight = torch.empty(ep * n, dtype=torch.float32, device=dev)
-    loader.launch(SOURCE, "padded_send_layout", _blocks(ep * n), THREADS,
+    token = torch.empty(ep * block, dtype=torch.int64, device=dev)
+    row_weight = torch.empty(ep * block, dtype=torch.float32, device=dev)
+    loader.launch(SOURCE, "padded_send_layout", _blocks(ep * block), THREADS,
                   (sorted_expert.contiguous(), order.contiguous(), send_counts.contiguous(),
                    weight.float().contiguous(), slots, token, row_weight,
-                   np.int64(n), np.int32(k), np.int32(ep), np.int32(local)))
+                   np.int64(n), np.int64(block), np.int32(k), np.int32(ep), np.int32(local)))
     return slots.view(-1, k), token, row_weight
 
 
@@ -89,19 +93,20 @@ def invert_rows(row_of: Tensor, rows_n: int) -> tuple[Tensor, Tensor]:
 
 
 def _send_reference(sorted_expert: Tensor, order: Tensor, send_counts: Tensor, weight: Tensor,
-                    k: int) -> tuple[Tensor, Tensor, Tensor]:
+                    k: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
     ep, local = send_counts.shape
     n, dev = order.numel(), order.device
+    rows = ep * block
     # Sorted slot i goes to rank r = its expert // local, row i - (r's first slot) of block r;
     # dropped slots (expert E) to a spare row past the blocks.
     per_rank = send_counts.sum(dim=1)
     rank = (sorted_expert // local).clamp(max=ep)
     first = torch.cat([per_rank.cumsum(0) - per_rank, per_rank.new_zeros(1)])
-    sent_row = torch.where(rank < ep, rank * n + torch.arange(n, device=dev) - first[rank], ep * n)
+    sent_row = torch.where(rank < ep, rank * block + torch.arange(n, device=dev) - first[rank], rows)
     slots = torch.empty(n, dtype=torch.int64, device=dev).index_copy_(0, order, sent_row)
-    slots = torch.where(slots < ep * n, slots, -1).view(-1, k)
-    token = torch.zeros(ep * n + 1, dtype=torch.int64, device=dev).index_copy_(0, sent_row, order // k)[:-1]
-    row_weight = torch.zeros(ep * n + 1, dtype=torch.float32, device=dev).index_copy_(
+    slots = torch.where(slots < rows, slots, -1).view(-1, k)
+    token = torch.zeros(rows + 1, dtype=torch.int64, device=dev).index_copy_(0, sent_row, order // k)[:-1]
+    row_weight = torch.zeros(rows + 1, dtype=torch.float32, device=dev).index_copy_(
         0, sent_row, weight.float()[order])[:-1]
     return slots, token, row_weight
 

@@ -70,7 +70,9 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas of the whole pipeline
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
-    schedule: Literal["fthenb", "1f1b"] = "1f1b"  # forward-then-backward (GPipe) or one-forward-one-backward
+    # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
+    # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that
+    schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2"] = "1f1b"
     microbatches: int = 1  # per data-parallel replica and step
     layers_per_stage: list[int] | None = None  # None: as even as possible
 

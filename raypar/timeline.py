@@ -63,7 +63,7 @@ KINDS: dict[str, str] = {
 }
 
 
-_KIND_OF_OP = {Op.F: "forward", Op.B: "backward", Op.SEND_F: "communication", Op.RECV_F: "communication",
+_KIND_OF_OP = {Op.F: "forward", Op.B: "backward", Op.I: "backward", Op.W: "backward", Op.SEND_F: "communication", Op.RECV_F: "communication",
                Op.SEND_B: "communication", Op.RECV_B: "communication", Op.REDUCE_GRAD: "optimizer",
                Op.STEP: "optimizer"}
 

@@ -26,7 +26,7 @@ def test_nccl_pipeline_matches_reference(ray_session, tmp_path):
     ref = ReferenceTrainer(cfg, device="cuda")
     group = start_group_on(cfg, dataset, "cuda")
     try:
-        for step, (schedule, m) in enumerate([("fthenb", 4), ("1f1b", 4), ("1f1b", 8)]):
+        for step, (schedule, m) in enumerate([("fthenb", 4), ("1f1b", 4), ("zb-h1", 8), ("zb-h2", 4), ("1f1b", 8)]):
             loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m,
                                                                   device="cuda")
             assert loss == pytest.approx(ref_loss, rel=1e-4)

@@ -24,15 +24,18 @@ def _routing(tokens: int, k: int, ep: int, local: int, drop: float, seed: int):
     return expert[order], order, counts.view(ep, local), weight
 
 
-@pytest.mark.parametrize("tokens,k,ep,local,drop", [
-    (64, 2, 2, 4, 0.0), (64, 2, 2, 4, 0.3), (33, 1, 4, 2, 0.1), (100, 4, 8, 1, 0.0), (7, 2, 2, 8, 0.5),
-    (1, 1, 2, 1, 1.0),
+@pytest.mark.parametrize("tokens,k,ep,local,drop,extra", [
+    (64, 2, 2, 4, 0.0, 0), (64, 2, 2, 4, 0.3, 1), (33, 1, 4, 2, 0.1, 2), (100, 4, 8, 1, 0.0, 1),
+    (7, 2, 2, 8, 0.5, 0), (1, 1, 2, 1, 1.0, 1),
 ])
-def test_send_layout_kernel_matches_reference(tokens, k, ep, local, drop):
+def test_send_layout_kernel_matches_reference(tokens, k, ep, local, drop, extra):
+    """`extra`: rows past the slots in each rank's block (where the exchange puts counts)."""
     sorted_expert, order, send_counts, weight = _routing(tokens, k, ep, local, drop, seed=tokens * 7 + ep)
     assert moe_layout._kernel_reason(order, ep * local) is None, "the GPU machine should run the layout kernels"
-    got = moe_layout.padded_send_layout(sorted_expert, order, send_counts, weight, k)
-    want = moe_layout._send_reference(sorted_expert, order, send_counts, weight, k)
+    block = tokens * k + extra
+    got = moe_layout.padded_send_layout(sorted_expert, order, send_counts, weight, k, block)
+    want = moe_layout._send_reference(sorted_expert, order, send_counts, weight, k, block)
+    assert got[1].numel() == ep * block
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 

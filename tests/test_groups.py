@@ -56,7 +56,19 @@ def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_worl
                 assert got is WORLD, kind
             else:
                 assert got == tuple(ranks), kind
+        # The pipeline's channels: a two-rank group per direction of each link, of its own
+        # also when the pair is the whole world (each direction needs its own communicator).
+        line = grid.pipeline_ranks(c.dp, c.ep)
+        want = {}
+        if c.pp > 0:
+            want.update({("F", "prev"): (line[c.pp - 1], rank), ("B", "prev"): (line[c.pp - 1], rank)})
+        if c.pp < grid.pp - 1:
+            want.update({("F", "next"): (rank, line[c.pp + 1]), ("B", "next"): (rank, line[c.pp + 1])})
+        assert g.channels == want
     # new_group is collective over the world: a rank that skipped or reordered one would hang.
     assert all(c == per_rank[0] for c in per_rank)
-    assert all(len(ranks) not in (1, grid.size) for ranks in per_rank[0])
+    links = grid.dp * grid.ep * (grid.pp - 1)
+    shared, channels = per_rank[0][:len(per_rank[0]) - 2 * links], per_rank[0][len(per_rank[0]) - 2 * links:]
+    assert all(len(ranks) not in (1, grid.size) for ranks in shared)
+    assert len(channels) == 2 * links and all(len(ranks) == 2 for ranks in channels)
 

@@ -1,4 +1,6 @@
-"""A padded all-to-all split into overlapping pieces computes what the whole one does."""
+"""The padded all-to-all, whole and split into overlapping pieces, computes what the exact
+exchange (split sizes read on the host) does: outputs and every gradient, the router's
+included (its gradient through the weighted sum of returned rows, not only the aux loss)."""
 import os
 import socket
 
@@ -19,6 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+EXACT = 0  # "pieces" of the exact exchange, the reference
+
+
 def _worker(rank: int, port: int, capacity_factor: float, chunks: tuple[int, ...], cuda: bool, queue) -> None:
     out = {}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -34,7 +39,7 @@ def _worker(rank: int, port: int, capacity_factor: float, chunks: tuple[int, ...
             layer = MoE(cfg, 0, ep_rank=rank, ep_size=EP).to(device)
             for p in layer.parameters():
                 torch.nn.init.normal_(p, std=0.3)
-            layer.ep_group, layer.padded_alltoall, layer.chunks = dist.group.WORLD, True, c
+            layer.ep_group, layer.padded_alltoall, layer.chunks = dist.group.WORLD, c != EXACT, max(c, 1)
             x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(1 + rank)).to(device).requires_grad_()
             y = layer(x)
             y.square().sum().backward()
@@ -45,19 +50,19 @@ def _worker(rank: int, port: int, capacity_factor: float, chunks: tuple[int, ...
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
-def test_chunked_exchange_equals_whole(capacity_factor):
+def test_padded_exchange_in_pieces_equals_exact(capacity_factor):
     _check_chunks(capacity_factor, cuda=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < EP, reason=f"needs {EP} GPUs")
-def test_chunked_exchange_equals_whole_on_gpus():
+def test_padded_exchange_in_pieces_equals_exact_on_gpus():
     """NCCL and the layout kernels: the pieces' exchanges run on the communicator's stream."""
     _check_chunks(1.0, cuda=True)
 
 
 def _check_chunks(capacity_factor: float, cuda: bool) -> None:
-    chunks = (1, 2, 3)  # 14 tokens: 3 pieces of unequal size
+    chunks = (EXACT, 1, 2, 3)  # 14 tokens: 3 pieces of unequal size
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -72,8 +77,9 @@ def _check_chunks(capacity_factor: float, cuda: bool) -> None:
         assert p.exitcode == 0
     names = ["output", "input grad", "router grad", "w13 grad", "w2 grad"]
     for rank in range(EP):
-        whole = results[(rank, 1)]
+        exact = results[(rank, EXACT)]
+        assert abs(exact[2]).max() > 0
         for c in chunks[1:]:
-            for name, a, b in zip(names, whole, results[(rank, c)]):
+            for name, a, b in zip(names, exact, results[(rank, c)]):
                 assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=1e-5), \
-                    f"rank {rank}, {c} pieces: {name} differs from the whole exchange's"
+                    f"rank {rank}, padded in {c} pieces: {name} differs from the exact exchange's"

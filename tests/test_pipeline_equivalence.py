@@ -9,8 +9,9 @@ from helpers import assert_same, start_group, step_both, synthetic_data, tiny_co
 from tolerances import Tolerances
 
 # Each grid runs every (schedule, micro-batches) pair once, one optimizer step each, so the
-# later steps also check that the optimizer state stayed in lockstep.
-PLAN = [("fthenb", 1), ("1f1b", 4), ("fthenb", 8), ("1f1b", 1), ("fthenb", 4), ("1f1b", 8)]
+# later steps also check that the optimizer state stayed in lockstep. The zero-bubble steps
+# split every backward into I and W (and 1F1B after them runs whole backwards again).
+PLAN = [("fthenb", 1), ("1f1b", 4), ("zb-h1", 4), ("fthenb", 8), ("zb-h2", 8), ("1f1b", 1), ("1f1b", 8)]
 
 GRIDS = {
     "pp1": dict(model={"n_layers": 4}, parallel={"pp": 1}),

@@ -65,6 +65,26 @@ def test_copies_go_into_reserved_buffers():
     assert torch.equal(recent.tensors(0, 1)["w"], w)
 
 
+def test_buffers_allocated_ahead_are_taken_instead_of_new_ones():
+    """A standby pins buffers before it knows its stage; its copies must go into them (a
+    recovery that pins gigabytes holds up its own load and first step)."""
+    from raypar.runtime.recent_states import OWN_KEPT
+    from raypar.runtime.snapshot import pinned_buffers
+
+    recent = RecentStates()
+    ahead = [pinned_buffers([(torch.Size([3]), torch.float32), (torch.Size([2, 2]), torch.bfloat16)], pin=False)
+             for _ in range(OWN_KEPT + 1)]
+    recent.adopt(ahead)
+    recent.reserve({"w": (torch.Size([3]), torch.float32), "b": (torch.Size([2, 2]), torch.bfloat16)}, pin=False)
+    w = torch.full((3,), 5.0)
+    assert _take(recent, 0, 1, {"w": w, "b": torch.ones(2, 2, dtype=torch.bfloat16)})
+    recent.settle()
+    held = recent.tensors(0, 1)
+    assert torch.equal(held["w"], w)
+    pointers = {t.data_ptr() for bufs in ahead for t in bufs.values()}
+    assert held["w"].data_ptr() in pointers and held["b"].data_ptr() in pointers
+
+
 def test_a_copy_due_while_the_last_is_still_being_sent_is_skipped():
     recent = RecentStates()
     release = threading.Event()

@@ -142,7 +142,7 @@ def test_generators() -> None:
     assert format_program(one_f_one_b(3, 4)[0]) == "F0 F1 F2 B0 F3 B1 B2 B3"
     assert format_program(one_f_one_b(3, 4)[2]) == "F0 B0 F1 B1 F2 B2 F3 B3"
     assert format_program(get_schedule("fthenb")(2, 2)[1]) == "F0 F1 B0 B1"
-    assert set(SCHEDULES) == {"fthenb", "1f1b"}
+    assert set(SCHEDULES) == {"fthenb", "1f1b", "zb-h1", "zb-h2"}
     for bad in [(0, 4), (2, 0), (-1, 1)]:
         with pytest.raises(ScheduleError, match=">= 1"):
             one_f_one_b(*bad)
@@ -178,25 +178,38 @@ def test_rejects_forward_before_its_receive() -> None:
     assert "F0 RECV_F0<-0 B0 SEND_B0->0" in str(err.value)  # shows the program
 
 
-def test_rejects_nccl_deadlock_from_unbatched_sends() -> None:
-    # Same compute as a valid 2-stage GPipe step, but releases split the comm runs so that each
-    # stage posts a lone send the other only matches after its own lone send: under NCCL both block.
-    programs = programs_of(
+def test_a_send_holds_up_no_compute_and_channels_are_independent() -> None:
+    # Each stage posts a lone send that the other matches only after its own lone send. With
+    # one communicator for both directions (sends and receives in one queue) this deadlocks;
+    # each direction of a link has a communicator of its own, and a send waits in its channel
+    # while the stage computes on: the same timing as the batched programs.
+    lone = programs_of(
         "F0 SEND_F0->1 RELEASE_OUT0 F1 SEND_F1->1 RELEASE_OUT1 RECV_B0<-1 B0 RECV_B1<-1 B1",
         "RECV_F0<-0 F0 B0 SEND_B0->0 RELEASE_IN0 RECV_F1<-0 F1 B1 SEND_B1->0 RELEASE_IN1",
     )
-    with pytest.raises(ScheduleError) as err:
-        validate(programs)
-    message = str(err.value)
-    assert "deadlock: stage 0 waits at SEND_F1->1, stage 1 waits at SEND_B0->0" in message
-    assert "stage 0: SEND_F1->1 needs stage 1 to post RECV_F1<-0" in message
-
-    # Batching the same sends with the neighbouring receive (what lower() does) resolves it.
     batched = programs_of(
         "F0 SEND_F0->1 RELEASE_OUT0 F1 SEND_F1->1 RECV_B0<-1 RELEASE_OUT1 B0 RECV_B1<-1 B1",
         "RECV_F0<-0 F0 B0 SEND_B0->0 RECV_F1<-0 RELEASE_IN0 F1 B1 SEND_B1->0 RELEASE_IN1",
     )
-    assert validate(batched).makespan > 0
+    assert validate(lone).makespan == pytest.approx(validate(batched).makespan)
+    # Stage 0 runs F1 while its send of F0 waits for stage 1 to post the receive.
+    late = programs_of("F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1",
+                       "RECV_F0<-0 F0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0")
+    f1 = [start for a, start, _ in simulate(late).timeline[0] if a == Action(Op.F, 1)]
+    assert f1 == [1.0]
+
+
+def test_rejects_a_cycle_of_waits() -> None:
+    # Stage 0 waits for a gradient before it sends the activation stage 1 needs to make it.
+    programs = programs_of(
+        "F0 RECV_B0<-1 B0 SEND_F0->1",
+        "RECV_F0<-0 F0 B0 SEND_B0->0",
+    )
+    with pytest.raises(ScheduleError) as err:
+        validate(programs)
+    message = str(err.value)
+    assert "deadlock: stage 0 waits at B0 for RECV_B0<-1, stage 1 waits at F0 for RECV_F0<-0" in message
+    assert "stage 0: F0 RECV_B0<-1 B0 SEND_F0->1" in message  # shows the programs
 
 
 def test_rejects_channel_order_mismatch() -> None:
@@ -263,5 +276,54 @@ def test_reduce_grad_is_a_barrier() -> None:
     with pytest.raises(ScheduleError) as err:
         validate(programs)
     message = str(err.value)
-    assert "deadlock: stage 0 waits at [SEND_F0->1 RECV_B0<-1], stage 1 waits at REDUCE_GRAD" in message
+    assert "deadlock: stage 0 waits at B0 for RECV_B0<-1, stage 1 waits at REDUCE_GRAD" in message
     assert "REDUCE_GRAD needs stage(s) 0 to reach it" in message
+
+
+# --- zero-bubble schedules (backward split into I and W) ---------------------------------
+
+
+@pytest.mark.parametrize("schedule,cap", [("zb-h1", lambda p: p), ("zb-h2", lambda p: 2 * p - 1)])
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICROBATCHES)
+def test_zero_bubble_programs(schedule: str, cap, p: int, m: int) -> None:
+    programs = build_programs(schedule, p, m)
+    for program in programs:
+        assert not [a for a in program if a.op is Op.B]
+        for op in (Op.F, Op.I, Op.W):
+            assert sorted(a.mb for a in program if a.op is op) == list(range(m))
+        for mb in range(m):  # W after its I, both before the reduction
+            i, w = program.index(Action(Op.I, mb)), program.index(Action(Op.W, mb))
+            assert i < w < program.index(Action(Op.REDUCE_GRAD))
+    result = simulate(programs, t_f=1.0, t_b=2.0)  # F = I = W
+    one_f_one_b_bubble = simulate(build_programs("1f1b", p, m), t_f=1.0, t_b=2.0).bubble_fraction
+    assert max(result.peak_live) <= cap(p)
+    assert result.bubble_fraction <= one_f_one_b_bubble + 1e-9
+    if p > 1 and m >= 2 * p:
+        assert result.bubble_fraction < 0.7 * one_f_one_b_bubble
+
+
+def test_zero_bubble_timing_by_hand() -> None:
+    # Two stages, two micro-batches, F = I = W = 1. Stage 1: F0 1-2, I0 2-3 (its gradient
+    # leaves at 3, not after a whole backward at 4), F1 3-4, I1 4-5, then W0 and W1 while
+    # stage 0 runs I0 3-4, W0 4-5 (waiting for I1's gradient), I1 5-6, W1 6-7. 1F1B: 9.
+    programs = build_programs("zb-h1", 2, 2)
+    assert format_program(programs[1]) == ("RECV_F0<-0 F0 I0 SEND_B0->0 RECV_F1<-0 RELEASE_IN0 F1 I1 "
+                                           "SEND_B1->0 RELEASE_IN1 W0 W1 REDUCE_GRAD STEP")
+    result = simulate(programs, t_f=1.0, t_b=2.0, t_w=1.0)
+    assert result.makespan == pytest.approx(7.0)
+    assert simulate(build_programs("1f1b", 2, 2), t_f=1.0, t_b=2.0).makespan == pytest.approx(9.0)
+    stage0 = [(str(a), start, end) for a, start, end in result.timeline[0] if a.is_compute]
+    assert stage0 == [("F0", 0, 1), ("F1", 1, 2), ("I0", 3, 4), ("W0", 4, 5), ("I1", 5, 6), ("W1", 6, 7)]
+
+
+def test_split_backward_rules() -> None:
+    with pytest.raises(ScheduleError, match=r"W0 \(action #1\) runs before I0"):
+        validate(programs_of("F0 W0 I0"))
+    with pytest.raises(ScheduleError, match="has no matching B0 \\(or I0 and W0\\)"):
+        validate(programs_of("F0 I0"))
+    with pytest.raises(ScheduleError, match="B0 .* whole backward of a micro-batch whose backward also runs split"):
+        validate(programs_of("F0 I0 B0 W0"))
+    with pytest.raises(ScheduleError, match="W0 .* runs after REDUCE_GRAD"):
+        validate(programs_of("F0 I0 REDUCE_GRAD W0"))
+    assert parse_program("F0 I0 W0") == [Action(Op.F, 0), Action(Op.I, 0), Action(Op.W, 0)]

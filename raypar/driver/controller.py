@@ -385,7 +385,8 @@ class Controller:
         failed_grid, steps = failed
         stored = -1 if path is None else read_manifest(path).step
         found = self.group.memory.newest_whole(failed_grid.size, [s for s in steps if s >= stored])
-        if found is None:
+        if isinstance(found, str):
+            self.log(f"raypar: {found}; loading from storage")
             self.group.memory.clear()
             return None
         step, holders = found

@@ -11,7 +11,7 @@ from raypar.topology import Grid
 
 
 def mean_durations(reports: list[StepReport], op: Op) -> float:
-    """Mean seconds of the units of kind `op` (F or B) in these (labelled) reports."""
+    """Mean seconds of the units of kind `op` (F, B, I or W) in these (labelled) reports."""
     d = [s.seconds for r in reports for s in r.events if s.op == op]
     return fmean(d) if d else 0.0
 
@@ -45,8 +45,9 @@ def simulated_bubble(programs: list[list[Action]] | Prepared, line: list[StepRep
     Pass `raypar.schedule.prepare(programs)` to check the programs once rather than every step.
     """
     t_f = [max(mean_durations([r], Op.F), 1e-9) for r in line]
-    t_b = [max(mean_durations([r], Op.B), 1e-9) for r in line]
-    return simulate(programs, t_f=t_f, t_b=t_b).bubble_fraction
+    t_w = [mean_durations([r], Op.W) for r in line]  # 0 without a split backward
+    t_b = [max(mean_durations([r], Op.B) + mean_durations([r], Op.I) + w, 1e-9) for r, w in zip(line, t_w)]
+    return simulate(programs, t_f=t_f, t_b=t_b, t_w=[min(w, b) for w, b in zip(t_w, t_b)]).bubble_fraction
 
 
 def step_loss(reports: list[StepReport]) -> float:
@@ -84,6 +85,6 @@ def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
         c = coords[r.rank]
         lo, hi = windows[(c.dp, c.ep)]
         fwd = sum(s.seconds for s in r.events if s.op == Op.F)
-        bwd = sum(s.seconds for s in r.events if s.op == Op.B)
+        bwd = sum(s.seconds for s in r.events if s.op.is_backward)
         out.append(WorkerTimes(c.pp, c.dp, c.ep, fwd, bwd, max(0.0, (hi - lo) - fwd - bwd)))
     return out

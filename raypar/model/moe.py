@@ -8,8 +8,8 @@ into micro-batches or data-parallel replicas: any grid computes the same model.
 
 With expert parallelism the `ep` workers of a pipeline stage each hold E/ep experts and
 different tokens; tokens travel to their expert's worker and back by all-to-all over the
-stage's ep group (counts first, then rows with variable split sizes). Every rank enters
-every collective, also with zero rows to send or receive.
+stage's ep group (`moe_exchange`). Every rank enters every collective, also with zero rows
+to send or receive.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from raypar import host_wait
 from raypar.config import ModelConfig
 from raypar.kernels import permute, unpermute
-from raypar.kernels.moe_layout import invert_rows, padded_recv_layout, padded_send_layout
+from raypar.kernels.moe_layout import invert_rows
 from raypar.model.experts import GroupedExperts, group_alignment, grouped_layout
+from raypar.model.moe_exchange import AllToAll, PaddedPiece
 from raypar.model.split_backward import Linear
 
 
@@ -43,96 +44,13 @@ class MoEStats:
         # is launch time plus the waits the split sizes force, not kernel time.
         self.alltoall_s = 0.0
 
-    def add(self, routed: Tensor, dropped: Tensor) -> None:
-        routed, dropped = routed.detach(), dropped.detach()
+    def add(self, routed: Tensor, dropped: Tensor | None) -> None:
+        """dropped: None when nothing can be (dropless routing)."""
+        routed = routed.detach()
         self.routed = routed if self.routed is None else self.routed + routed
-        self.dropped = dropped if self.dropped is None else self.dropped + dropped
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows to ranks by split sizes; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, me: int, stats: MoEStats) -> Tensor:
-        ctx.send, ctx.recv, ctx.group, ctx.me, ctx.stats = send, recv, group, me, stats
-        t0 = time.perf_counter()
-        out = x.new_empty((sum(recv), x.shape[1]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        stats.alltoall_bytes += _remote_bytes(send, me, x)
-        stats.alltoall_s += time.perf_counter() - t0
-        return out
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        t0 = time.perf_counter()
-        out = g.new_empty((sum(ctx.send), g.shape[1]))
-        dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        ctx.stats.alltoall_bytes += _remote_bytes(ctx.recv, ctx.me, g)
-        ctx.stats.alltoall_s += time.perf_counter() - t0
-        return out, None, None, None, None, None
-
-
-class _Exchange:
-    """An all-to-all of equal blocks in flight: `start` queues it and returns its output,
-    `done` makes the current stream wait for it. Between the two the caller queues other
-    work, which the device runs while the exchange moves rows (on the GPU the exchange runs
-    on the communicator's stream). Backward does the same in reverse: the gradient's
-    exchange is queued where forward waited and waited for where forward queued it."""
-
-    def __init__(self, group, ep: int, stats: MoEStats) -> None:
-        self.group, self.ep, self.stats = group, ep, stats
-        self.work = None
-
-    def start(self, x: Tensor) -> Tensor:
-        return _ExchangeStart.apply(x, self)
-
-    def done(self, out: Tensor) -> Tensor:
-        return _ExchangeDone.apply(out, self)
-
-    def queue(self, x: Tensor) -> Tensor:
-        t0 = time.perf_counter()
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        self.work = dist.all_to_all_single(out, x, group=self.group, async_op=True)
-        self.stats.alltoall_bytes += x.numel() * x.element_size() * (self.ep - 1) // self.ep
-        self.stats.alltoall_s += time.perf_counter() - t0
-        return out
-
-    def wait(self) -> None:
-        t0 = time.perf_counter()
-        self.work.wait()
-        self.work = None
-        self.stats.alltoall_s += time.perf_counter() - t0
-
-
-class _ExchangeStart(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, exchange: _Exchange) -> Tensor:
-        ctx.exchange = exchange
-        return exchange.queue(x)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        ctx.exchange.wait()
-        return g, None
-
-
-class _ExchangeDone(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, out: Tensor, exchange: _Exchange) -> Tensor:
-        ctx.exchange = exchange
-        exchange.wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        return ctx.exchange.queue(g), None
-
-
-def _remote_bytes(splits: list[int], me: int, x: Tensor) -> int:
-    # `me` is the caller's rank in the group (its ep rank), not dist.get_rank(group): that
-    # lookup costs more host time than the all-to-all's launch.
-    return (sum(splits) - splits[me]) * x.shape[1] * x.element_size()
+        if dropped is not None:
+            dropped = dropped.detach()
+            self.dropped = dropped if self.dropped is None else self.dropped + dropped
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -216,22 +134,25 @@ class MoE(nn.Module):
         weights, experts, keep, aux, z = route(logits, k, self.capacity_factor, z_loss=self.z_coef > 0)
         expert, weight = experts.flatten(), weights.flatten()
         routed = _count(expert, self.n_experts)
-        self.stats.add(routed, (~keep).sum())
-
-        # A slot is one (token, choice). Slots are sorted by expert, the ones the capacity
-        # dropped after all others (as expert n_experts), so every size below is known on
-        # the host without reading the device.
+        # Slots the capacity dropped sort after all others (as expert n_experts), so every
+        # size below is known on the host without reading the device.
         if self.capacity_factor > 0:
+            self.stats.add(routed, (~keep).sum())
             expert = torch.where(keep.flatten(), expert, self.n_experts)
             weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
-        if self.ep_size > 1 and self.padded_alltoall:
-            out = self._exchange_padded(x.reshape(b * t, d), expert, weight).reshape(b, t, d)
+            counts = None
         else:
-            counts = _count(expert, self.n_experts + 1)[:self.n_experts] if self.capacity_factor > 0 else routed
-            order = torch.argsort(expert, stable=True)
+            self.stats.add(routed, None)
+            counts = routed
+        if self.ep_size > 1 and self.padded_alltoall:
+            out = self._exchange_padded(x.reshape(b * t, d), expert, weight, counts).reshape(b, t, d)
+        else:
+            if counts is None:
+                counts = _count(expert, self.n_experts + 1)[:self.n_experts]
+            sorted_expert, order = torch.sort(expert, stable=True)
             if self.ep_size == 1:
                 # slots[token, j]: the row of token's j-th choice, -1 when dropped.
-                position, ends, rows_n = grouped_layout(expert[order], counts, group_alignment(x))
+                position, ends, rows_n = grouped_layout(sorted_expert, counts, group_alignment(x))
                 slots = _slots(order, position, keep, n)
                 token = x.new_zeros(rows_n, dtype=torch.int64).index_copy_(0, position, order // k)
                 row_weight = weight.new_zeros(rows_n).index_copy(0, position, weight[order])
@@ -239,7 +160,7 @@ class MoE(nn.Module):
                 out = unpermute(self.experts(rows, ends), row_weight, token, slots).reshape(b, t, d)
             else:
                 out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
-        loss = self.aux_coef * aux + self.z_coef * z
+        loss = self.aux_coef * aux + self.z_coef * z if self.z_coef else self.aux_coef * aux
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
         return out
@@ -251,7 +172,7 @@ class MoE(nn.Module):
         n = order.numel()
         # The host needs the rows to send to and receive from each rank (one wait per
         # layer), and reads them after the rows are gathered, so that work is queued meanwhile.
-        send_counts, recv_counts = (c.squeeze(1) for c in self._exchange_counts(counts.unsqueeze(0)))
+        send_counts, recv_counts = self._exchange_counts(counts)
         sizes = host_wait.HostCopy(torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1)]))
         slots = _slots(order, torch.arange(n, device=x.device), keep, n)
         token = order // k
@@ -261,54 +182,40 @@ class MoE(nn.Module):
         send, recv = sizes[:ep], sizes[ep:]
         self.stats.alltoall_s += time.perf_counter() - t0
         kept = sum(send)  # the dropped slots' rows sort after these and stay here
-        received = _AllToAll.apply(rows[:kept], send, recv, group, self.ep_rank, self.stats)
+        received = AllToAll.apply(rows[:kept], send, recv, group, self.ep_rank, self.stats)
         out_local, back = self._run_received(received, recv_counts, sum(recv))
-        returned = _AllToAll.apply(back(out_local), recv, send, group, self.ep_rank, self.stats)
+        returned = AllToAll.apply(back(out_local), recv, send, group, self.ep_rank, self.stats)
         return unpermute(returned, weight[order[:kept]], token[:kept], slots)
 
-    def _exchange_padded(self, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
-        """`_exchange_and_run` without a host wait, in `chunks` pieces of the tokens whose
-        exchanges overlap the other pieces' work.
+    def _exchange_padded(self, x: Tensor, expert: Tensor, weight: Tensor, counts: Tensor | None) -> Tensor:
+        """`_exchange_and_run` without a host wait (`moe_exchange.PaddedPiece`), in `chunks`
+        pieces of the tokens whose exchanges overlap the other pieces' work.
 
-        Each rank sends every peer n rows (n, its slot count in the piece, bounds what
-        routing can send one rank), the routed ones first; rows past them are padding that
-        no slot reads. The receiver finds its rows' experts from the exchanged counts on the
-        device, and runs only the routed rows. All pieces' rows leave before any piece's
-        experts run, and each piece's results leave as soon as its experts are done, so the
-        device computes one piece while another's rows travel (or wait for the peer).
+        All pieces' rows leave before any piece's experts run, and each piece's results
+        leave as soon as its experts are done, so the device computes one piece while
+        another's rows travel (or wait for the peer). `counts`: slots per expert of the
+        whole micro-batch when known (dropless), else counted per piece.
         """
-        k, tokens = self.top_k, x.shape[0]
+        k, tokens, shape = self.top_k, x.shape[0], (self.ep_size, self.local)
         chunks = max(1, min(self.chunks, tokens))
         bounds = [tokens * i // chunks for i in range(chunks + 1)]
-        pieces = [(a, b) for a, b in zip(bounds, bounds[1:])]
-        counts = torch.stack([_count(expert[a * k:b * k], self.n_experts + 1)[:self.n_experts] for a, b in pieces])
-        send_counts, recv_counts = self._exchange_counts(counts)  # [ep, chunks, local] each
-        sent = []
-        for i, (a, b) in enumerate(pieces):
+        pieces = []
+        for a, b in zip(bounds, bounds[1:]):
             ids = expert[a * k:b * k]
-            order = torch.argsort(ids, stable=True)
-            slots, token, row_weight = padded_send_layout(ids[order], order, send_counts[:, i].contiguous(),
-                                                          weight[a * k:b * k], k)
-            exchange = _Exchange(self.ep_group, self.ep_size, self.stats)
-            sent.append((exchange, exchange.start(permute(x[a:b], token, slots)), slots, token, row_weight))
-        returned = []
-        for i, (exchange, received, *_) in enumerate(sent):
-            received = exchange.done(received)
-            n = received.shape[0] // self.ep_size
-            row_of, ends, source, back_slots, _ = padded_recv_layout(recv_counts[:, i].contiguous(), n,
-                                                                     group_alignment(received))
-            out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
-            back = _Exchange(self.ep_group, self.ep_size, self.stats)
-            returned.append((back, back.start(permute(out_local, row_of, back_slots))))
-        out = [unpermute(back.done(rows), row_weight, token, slots)
-               for (back, rows), (_, _, slots, token, row_weight) in zip(returned, sent)]
+            piece_counts = counts if chunks == 1 and counts is not None else _count(ids, self.n_experts + 1)
+            sorted_ids, order = torch.sort(ids, stable=True)
+            pieces.append(PaddedPiece(x[a:b], sorted_ids, order, weight[a * k:b * k],
+                                      piece_counts[:self.n_experts].view(shape), k, self.ep_group, self.stats))
+        for piece in pieces:
+            piece.send_back(self.experts(*piece.receive(group_alignment(x))))
+        out = [piece.combine() for piece in pieces]
         return out[0] if chunks == 1 else torch.cat(out)
 
     def _exchange_counts(self, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """counts [chunks, E] -> [ep, chunks, local]: rows this rank sends to each rank's
-        experts, and receives from each rank for its own experts, for every chunk."""
+        """counts [E] -> [ep, local]: rows this rank sends to each rank's experts, and
+        receives from each rank for its own experts."""
         t0 = time.perf_counter()
-        send_counts = counts.reshape(counts.shape[0], self.ep_size, self.local).transpose(0, 1).contiguous()
+        send_counts = counts.reshape(self.ep_size, self.local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         self.stats.alltoall_s += time.perf_counter() - t0

@@ -80,11 +80,12 @@ def compute_weight_grads(key: Hashable) -> int:
     returns how many."""
     with _lock:
         work = _pending.pop(key, [])
-    with torch.enable_grad():
-        for weight, x, grad_out in work:
+    for weight, x, grad_out in work:
+        with torch.no_grad():
             grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            # Through autograd's accumulation into the leaf (a view's backward is the identity):
-            # parameter hooks run as they do for a whole backward.
+        # Through autograd's accumulation into the leaf (a view's backward is the identity):
+        # parameter hooks run as they do for a whole backward.
+        with torch.enable_grad():
             torch.autograd.backward(weight.view_as(weight), grad_w)
     return len(work)
 
@@ -102,6 +103,10 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(x, weight)
+        # The parameter itself for W: a saved tensor unpacked under saved-tensor hooks (the
+        # runtime counts activations with them) is another tensor object, and an
+        # accumulation into it did not reach the parameter's gradient.
+        ctx.parameter = weight
         return F.linear(x, weight)
 
     @staticmethod
@@ -113,7 +118,7 @@ class _SplitLinear(torch.autograd.Function):
         with _lock:
             key = _deferring[0] if _deferring else None
             if key is not None:
-                _pending.setdefault(key, []).append((weight, x, grad_out))
+                _pending.setdefault(key, []).append((ctx.parameter, x, grad_out))
         if key is not None:
             return grad_x, None
         grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -18,6 +18,11 @@ class StageGroups:
     ep: object | None  # this stage's expert-parallel group: token all-to-all
     prev_rank: int | None  # global rank of the previous stage (p2p)
     next_rank: int | None
+    # The pipeline's channels this stage takes part in, each a communicator of its own (so
+    # a send waiting for its receiver holds up nothing on another channel): activations from
+    # the previous stage ("F", "prev") and to the next ("F", "next"), gradients from the
+    # next ("B", "next") and to the previous ("B", "prev").
+    channels: dict[tuple[str, str], object] = field(default_factory=dict)
 
 
 def init_world(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
@@ -58,6 +63,18 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
     walk("expert_grad", [grid.expert_grad_ranks(s, e) for s in range(grid.pp) for e in range(grid.ep)])
     walk("ep", [grid.ep_ranks(d, s) for d in range(grid.dp) for s in range(grid.pp)])
     line = grid.pipeline_ranks(me.dp, me.ep)
+    channels: dict[tuple[str, str], object] = {}
+    for d in range(grid.dp):
+        for e in range(grid.ep):
+            ranks = grid.pipeline_ranks(d, e)
+            for s in range(grid.pp - 1):
+                for kind in ("F", "B"):
+                    # Always a group of its own, also when the pair is the whole world.
+                    g = dist.new_group([ranks[s], ranks[s + 1]], timeout=timeout)
+                    if rank == ranks[s]:
+                        channels[kind, "next"] = g
+                    elif rank == ranks[s + 1]:
+                        channels[kind, "prev"] = g
     return StageGroups(
         replica=mine.get("replica"),
         dense_grad=mine.get("dense_grad"),
@@ -65,6 +82,7 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
         ep=mine.get("ep"),
         prev_rank=line[me.pp - 1] if me.pp > 0 else None,
         next_rank=line[me.pp + 1] if me.pp < grid.pp - 1 else None,
+        channels=channels,
     )
 
 

@@ -114,6 +114,13 @@ class RecentStates:
         """The copy the next state goes into: one that holds no complete state (the lock held)."""
         return next(c for c in self._copies if c not in self._complete.values())
 
+    def adopt(self, buffers: list[dict[str, torch.Tensor]]) -> None:
+        """Host buffers allocated ahead, one set per copy (a standby pins them while it
+        waits, before it knows its stage): `reserve` takes them instead of pinning."""
+        with self._lock:
+            for copy, held in zip(self._copies, buffers):
+                copy.adopt(held)
+
     def reserve(self, layout, pin: bool, wait: bool = True) -> float:
         """Allocate every copy's host buffers for `layout` (those it lacks), all at once.
         Pinning gigabytes takes seconds and holds up the process's CUDA calls: at the run's

@@ -44,6 +44,11 @@ class StateSnapshot:
         self._stream = None
         self.step: int | None = None
 
+    def adopt(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Take host buffers allocated ahead (`pinned_buffers`): `reserve` uses them for
+        names of their shape and dtype instead of allocating."""
+        self._buffers.update(buffers)
+
     def reserve(self, layout: Layout, pin: bool = True) -> None:
         """Allocate (pinned) buffers for `layout` on a background thread; returns at once."""
         if not layout:

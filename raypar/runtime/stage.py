@@ -21,12 +21,14 @@ from raypar.data import TokenDataset
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
+from raypar.model.split_backward import compute_weight_grads, drop_weight_grads, set_split_backward, weight_grads_deferred
 from raypar.optim import MasterOptimizer
 from raypar.runtime.clock import StepClock
-from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world, connect_neighbours, exchange,
+from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
+from raypar.runtime.p2p import Inflight, connect_channels
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
@@ -47,6 +49,7 @@ class _StepState:
     labels: tuple[torch.Tensor, ...] | None
     seeds: tuple[torch.Tensor, ...] | None  # per-sample dropout seeds, per micro-batch
     act_shape: tuple[int, int, int]  # a received activation's shape
+    inflight: Inflight  # sends and receives posted and not seen complete
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received (or, first stage, token) inputs
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     grad_out: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
@@ -158,7 +161,7 @@ class StageRuntime:
         self._step_end = None  # the end mark of the last step this stage issued
         self.set_program([])
         t1 = time.perf_counter()
-        connect_neighbours(groups.prev_rank, groups.next_rank, device, self.timeout)
+        connect_channels(groups.channels, groups.prev_rank, groups.next_rank, device, self.timeout)
         check_world(device, self.timeout)  # also connects the world's communicator before any step
         # Building the stage and optimizer; connecting (waiting for the peers to get here too).
         self.setup_s = {"build": t1 - t0, "connect": time.perf_counter() - t1}
@@ -172,6 +175,8 @@ class StageRuntime:
         self._units = comm_groups(self.program)  # what runs
         self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
+        # I and W need the linear layers to leave their weight gradients for later.
+        set_split_backward(self.model, any(a.op in (Op.I, Op.W) for a in self.program))
         self._ahead: _StepState | None = None
         # Only a forward that talks to no peer may be issued ahead of its call: the first
         # stage's first one, without MoE layers (whose all-to-alls need their group's peers).
@@ -201,9 +206,13 @@ class StageRuntime:
         for unit in self._units[len(state.marks):]:
             head = unit[0]
             host_wait.check(where)  # a recovery cancelled the step: stop issuing its work
+            state.inflight.poll()
+            # A compute's wait for its input is idle time, not the compute's: before its mark.
+            self._await_input(state, head)
             state.issued.append(time.time())
             begin = self.clock.mark()
             if head.op == Op.REDUCE_GRAD:
+                state.inflight.finish(f"{where}: sends before the gradient reduction")
                 if not self.is_first:
                     # The first stage ends the backward, so it reports the norm; the others
                     # report once their own backward is done and issue the next step while
@@ -287,6 +296,7 @@ class StageRuntime:
         if len(sample_ids) % n_mb:
             raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
         tokens, labels = self._load(sample_ids, n_mb)
+        drop_weight_grads()  # a cancelled step's (nothing else is pending between steps)
         # Per-sample dropout seeds: the masks follow the sample, not the micro-batch or grid.
         seeds = (sample_seeds(self.cfg.train.seed, step, sample_ids, self.device).chunk(n_mb)
                  if self.cfg.model.dropout > 0 else None)
@@ -301,7 +311,8 @@ class StageRuntime:
         self.clock.start()
         # Shapes follow the step's program, so one worker group can run any schedule and count.
         act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
-        return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape)
+        return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape,
+                          Inflight(self.groups.channels, self.timeout))
 
     def _issue(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
         """Issue one unit that moves a step's tensors: an exchange, a forward, a backward or a release."""
@@ -310,26 +321,45 @@ class StageRuntime:
             self._exchange(state, unit)
         elif head.op == Op.F:
             state.outputs[head.mb] = self._forward(state, head.mb)
-        elif head.op == Op.B:
-            self._backward(state, head.mb)
+        elif head.op in (Op.B, Op.I):
+            if head.op == Op.I:
+                with weight_grads_deferred(head.mb):
+                    self._backward(state, head.mb)
+            else:
+                self._backward(state, head.mb)
             if self.cfg.runtime.release:
                 state.grad_out.pop(head.mb, None)
                 if self.is_first:
                     self._forget(head.mb, state.inputs, state.outputs)
+        elif head.op == Op.W:
+            compute_weight_grads(head.mb)
         elif head.op == Op.RELEASE_OUT:
             out = state.outputs[head.mb]
-            if _releasable(out):
-                out.untyped_storage().resize_(0)
-                state.released += 1
+            state.inflight.after_send(Op.SEND_F, head.mb, lambda: self._release_output(state, out))
         elif head.op == Op.RELEASE_IN:
-            self._forget(head.mb, state.inputs, state.outputs)
+            state.inflight.after_send(Op.SEND_B, head.mb,
+                                      lambda mb=head.mb: self._forget(mb, state.inputs, state.outputs))
         else:
             raise ValueError(f"stage {self.stage}: cannot execute {head}")
+
+    def _release_output(self, state: "_StepState", out: torch.Tensor) -> None:
+        """Free the data of a stage output once it is sent (its backward does not read it).
+        On gloo a send is seen done only when waited for: at the bound on sends under way
+        or before the reduction, maybe after the output's backward."""
+        if _releasable(out):
+            out.untyped_storage().resize_(0)
+            state.released += 1
+
+    def _await_input(self, state: "_StepState", head: Action) -> None:
+        if head.op == Op.F and not self.is_first:
+            state.inflight.received(Op.RECV_F, head.mb, f"stage {self.stage}: activation {head.mb}")
+        elif head.op in (Op.B, Op.I) and not self.is_last:
+            state.inflight.received(Op.RECV_B, head.mb, f"stage {self.stage}: gradient {head.mb}")
 
     def _end_unit(self, state: "_StepState", head: Action, begin) -> None:
         end = self.clock.mark()
         state.marks.append((begin, end))
-        if head.op == Op.B:
+        if head.op.is_backward:
             state.last_backward = end
         if head.op == Op.F or head.is_comm:
             # Only a forward or a receive adds activations: the peak follows one of them.
@@ -442,29 +472,25 @@ class StageRuntime:
         self.tracker.backward_done(mb)
 
     def _exchange(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
+        """Post a unit's sends and receives; the computes that read what arrives wait for it."""
         inputs, outputs, grad_out = state.inputs, state.outputs, state.grad_out
-        sends, recvs = [], []
         for a in unit:
             if a.op == Op.SEND_F:
-                sends.append((outputs[a.mb], self.groups.next_rank))
+                state.inflight.post(a, outputs[a.mb], self.groups.next_rank)
             elif a.op == Op.SEND_B:
-                sends.append((inputs[a.mb].grad, self.groups.prev_rank))
+                state.inflight.post(a, inputs[a.mb].grad, self.groups.prev_rank)
             elif a.op == Op.RECV_F:
                 buf = torch.empty(state.act_shape, dtype=self.act_dtype, device=self.device)
                 inputs[a.mb] = buf
-                recvs.append((buf, self.groups.prev_rank))
+                state.inflight.post(a, buf, self.groups.prev_rank)
+                buf.requires_grad_(True)
+                self.tracker.hold(a.mb, buf)
             elif a.op == Op.RECV_B:
                 out = outputs[a.mb]
                 buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
                 grad_out[a.mb] = buf
-                recvs.append((buf, self.groups.next_rank))
-        exchange(sends, recvs, self.timeout)
-        for a in unit:
-            if a.op == Op.RECV_F:
-                inputs[a.mb].requires_grad_(True)
-                self.tracker.hold(a.mb, inputs[a.mb])
-            elif a.op == Op.RECV_B:
-                self.tracker.hold(a.mb, grad_out[a.mb])
+                state.inflight.post(a, buf, self.groups.next_rank)
+                self.tracker.hold(a.mb, buf)
 
     def _forget(self, mb: int, inputs, outputs) -> None:
         inputs.pop(mb, None)

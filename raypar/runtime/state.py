@@ -108,16 +108,19 @@ def takes_snapshots(cfg: Config) -> bool:
     return cfg.checkpoint.every > 0
 
 
-def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid) -> list[tuple[torch.Size, torch.dtype]]:
+def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid, everything: bool = False) -> list[tuple[torch.Size, torch.dtype]]:
     """Host buffers enough for the snapshot of whichever cell of `grid` a worker is given:
     each (shape, dtype) as often as the stage that needs it most, at dp and ep rank 0 (the
-    ranks that write the most). A standby pins them while it waits."""
+    ranks that write the most). A standby pins them while it waits. `everything`: a copy
+    in memory's (elastic.memory_every), which holds the optimizer and masters whatever the
+    checkpoint saves."""
     c = cfg.checkpoint
+    optimizer, master = (True, True) if everything else (c.save_optimizer, c.save_master)
     most: Counter = Counter()
     for stage in range(grid.pp):
         params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep)
         mixed = any(dtype != torch.float32 for _, _, dtype in params)
-        most |= Counter(params_layout(params, mixed, c.save_optimizer, c.save_master, c.ema_decay > 0).values())
+        most |= Counter(params_layout(params, mixed, optimizer, master, c.ema_decay > 0).values())
     return list(most.elements())
 
 

@@ -1,4 +1,4 @@
-"""Compute-only pipeline orders: for each stage, the order of its F and B actions.
+"""Compute-only pipeline orders: for each stage, the order of its F and B (or I and W) actions.
 
 Communication and memory release are added later by `lower`, so a new schedule only has to
 say in which order each stage runs its forwards and backwards.
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from raypar.schedule.ir import Action, Op, ScheduleError
+from raypar.schedule.zero_bubble import zb_h1, zb_h2
 
 ComputeOrders = list[list[Action]]
 
@@ -48,6 +49,8 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> ComputeOrders:
 SCHEDULES: dict[str, Callable[[int, int], ComputeOrders]] = {
     "fthenb": forward_then_backward,
     "1f1b": one_f_one_b,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
 }
 
 

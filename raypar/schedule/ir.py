@@ -18,6 +18,8 @@ class ScheduleError(ValueError):
 class Op(str, enum.Enum):
     F = "F"  # forward of one micro-batch on this stage
     B = "B"  # backward of one micro-batch (input grad + weight grad)
+    I = "I"  # noqa: E741 - input gradient only: the part of B the previous stage waits for
+    W = "W"  # weight gradient of a micro-batch whose I has run (zero-bubble schedules)
     SEND_F = "SEND_F"  # send forward activation of mb to next stage
     RECV_F = "RECV_F"  # receive forward activation of mb from previous stage
     SEND_B = "SEND_B"  # send input-gradient of mb to previous stage
@@ -32,13 +34,18 @@ class Op(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        """A forward or a backward: the units a pipeline's bubble is measured against."""
+        """A forward or a backward (whole or part): the units a pipeline's bubble is measured against."""
         return self in _COMPUTE_OPS
+
+    @property
+    def is_backward(self) -> bool:
+        return self in _BACKWARD_OPS
 
 
 _COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 _SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
-_COMPUTE_OPS = frozenset({Op.F, Op.B})
+_COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W})
+_BACKWARD_OPS = frozenset({Op.B, Op.I, Op.W})
 _RELEASE_OPS = frozenset({Op.RELEASE_OUT, Op.RELEASE_IN})
 _STEP_OPS = frozenset({Op.REDUCE_GRAD, Op.STEP})  # the once-per-step ops, which carry no mb
 
@@ -102,7 +109,7 @@ def format_program(program: Iterable[Action]) -> str:
 
 
 _ACTION_RE = re.compile(
-    r"(?P<op>RELEASE_OUT|RELEASE_IN|REDUCE_GRAD|STEP|SEND_F|SEND_B|RECV_F|RECV_B|F|B)"
+    r"(?P<op>RELEASE_OUT|RELEASE_IN|REDUCE_GRAD|STEP|SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W)"
     r"(?P<mb>\d+)?(?:(?P<arrow>->|<-)(?P<peer>\d+))?"
 )
 

@@ -26,23 +26,25 @@ def lower(compute_orders: Sequence[Sequence[Action]], release: bool = True) -> l
     for s, order in enumerate(compute_orders):
         first, last = s == 0, s == n_stages - 1
         program: list[Action] = []
+        weights: list[Action] = []  # W's waiting for the next compute that talks to a peer
         for action in order:
-            if action.op is Op.F:
-                if not first:
-                    program.append(Action(Op.RECV_F, action.mb, s - 1))
-                program.append(action)
-                if not last:
-                    program.append(Action(Op.SEND_F, action.mb, s + 1))
-            elif action.op is Op.B:
-                if not last:
-                    program.append(Action(Op.RECV_B, action.mb, s + 1))
-                program.append(action)
-                if not first:
-                    program.append(Action(Op.SEND_B, action.mb, s - 1))
-            else:
+            if action.op is Op.W:
+                weights.append(action)
+                continue
+            if action.op not in (Op.F, Op.B, Op.I):
                 raise ScheduleError(
-                    f"lower() takes compute-only orders (F and B), but stage {s} has {action}"
+                    f"lower() takes compute-only orders (F, B, I and W), but stage {s} has {action}"
                 )
+            # A receive is posted before the W's ahead of its compute: it arrives while they run.
+            forward = action.op is Op.F
+            if not (first if forward else last):
+                program.append(Action(Op.RECV_F if forward else Op.RECV_B, action.mb, s - 1 if forward else s + 1))
+            program += weights
+            weights = []
+            program.append(action)
+            if not (last if forward else first):
+                program.append(Action(Op.SEND_F if forward else Op.SEND_B, action.mb, s + 1 if forward else s - 1))
+        program += weights
         if release:
             program = _insert_releases(program)
         program += [Action(Op.REDUCE_GRAD), Action(Op.STEP)]

@@ -1,10 +1,15 @@
 """Run per-stage programs without tensors: prove them correct and deadlock-free, and time them.
 
-Communication follows NCCL, the strictest backend: each comm unit (see `comm_groups`) is posted
-when its stage reaches it and completes only once the matching call of every op in it has been
-posted by the peer; until then its stage is blocked. Messages on one directed channel
-(src, dst, F or B) are matched in posting order. REDUCE_GRAD is a collective over all stages
-(the global grad-norm needs every stage), so it completes once every stage has reached it.
+Communication follows the runtime on NCCL. Each direction of each pipeline link is a channel
+(activations from stage s to s + 1, gradients from s + 1 to s) with a communicator of its
+own. A stage posts a send or receive when its program reaches it and goes on at once: a
+send never holds up the stage's compute, and a compute waits only for the receive of its
+input. On a channel the ops run one after another in posting order, each once the stage's
+compute has reached it (a send reads what that compute wrote); an op completes once its
+partner has started on the other end. Messages on a channel are matched in posting order.
+REDUCE_GRAD is a collective over all stages (the global grad-norm needs every stage),
+entered once a stage's compute has reached it and its sends and receives are complete; it
+completes once every stage has.
 
 Checks that depend only on one stage's program order (data dependencies, duplicates, releases)
 and on channel order are done statically first; the timed run then only has to find deadlocks.
@@ -15,9 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from raypar.schedule.ir import Action, Op, ScheduleError, comm_groups, format_program
+from raypar.schedule.ir import Action, Op, ScheduleError, format_program
 
 Programs = Sequence[Sequence[Action]]
+# Sends a stage may have under way on one channel (raypar.runtime.p2p: the next waits for the oldest).
+SENDS_IN_FLIGHT = 2
 _Loc = tuple[int, int]  # (stage, index into that stage's program or unit list)
 
 
@@ -43,11 +50,13 @@ def simulate(
     t_f: float | Sequence[float] = 1.0,
     t_b: float | Sequence[float] = 2.0,
     t_comm: float = 0.0,
+    t_w: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Check `programs` (one per stage) and time them; raises ScheduleError if they are invalid.
 
-    t_f / t_b are forward / backward durations, one for all stages or one per stage; a comm unit
-    takes t_comm after the last of its own and its partners' posts. Releases, REDUCE_GRAD and
+    t_f / t_b are forward / whole backward durations, one for all stages or one per stage; a
+    split backward's W takes t_w (default half of t_b) and its I the rest. A comm unit takes
+    t_comm after the last of its own and its partners' posts. Releases, REDUCE_GRAD and
     STEP take no time. `programs` may be the result of `prepare`, which skips the checks: a
     driver that times the same programs every step checks them once.
     """
@@ -56,10 +65,13 @@ def simulate(
     n = len(programs.programs) if isinstance(programs, Prepared) else len(programs)
     t_fwd = _per_stage(t_f, n, "t_f")
     t_bwd = _per_stage(t_b, n, "t_b")
+    t_wgt = [b / 2 for b in t_bwd] if t_w is None else _per_stage(t_w, n, "t_w")
+    if any(w > b for w, b in zip(t_wgt, t_bwd)):
+        raise ScheduleError(f"t_w {t_wgt} is part of the backward and cannot exceed t_b {t_bwd}")
     if t_comm < 0:
         raise ScheduleError(f"t_comm must be >= 0, got {t_comm}")
     prepared = programs if isinstance(programs, Prepared) else prepare(programs)
-    return _run(prepared, t_fwd, t_bwd, t_comm)
+    return _run(prepared, t_fwd, t_bwd, t_wgt, t_comm)
 
 
 @dataclass
@@ -68,9 +80,9 @@ class Prepared:
 
     programs: list[list[Action]]
     peak_live: list[int]
-    units: list[list[tuple[Action, ...]]]
-    # For every comm unit, each op and the (stage, unit) holding its partner: the unit waits for all.
-    waits_for: dict[_Loc, list[tuple[Action, _Loc]]]
+    partner: dict[_Loc, _Loc]  # every send's receive and every receive's send (stage, index)
+    before: dict[_Loc, _Loc | None]  # the op posted before it on its channel by the same stage
+    receive: list[dict[tuple[Op, int], int]]  # per stage: (RECV_F or RECV_B, mb) -> index
 
 
 def prepare(programs: Programs) -> Prepared:
@@ -82,16 +94,16 @@ def prepare(programs: Programs) -> Prepared:
     peak_live = [_check_stage(programs, s) for s in range(n)]
     _check_collectives(programs)
     partner = _match_channels(programs)
-    units = [comm_groups(p) for p in programs]
-    # per stage: program index -> unit index
-    unit_of = [[u for u, unit in enumerate(stage_units) for _ in unit] for stage_units in units]
-    waits_for: dict[_Loc, list[tuple[Action, _Loc]]] = defaultdict(list)
+    before: dict[_Loc, _Loc | None] = {}
+    receive: list[dict[tuple[Op, int], int]] = []
     for s, program in enumerate(programs):
+        last: dict[tuple[Op, int], _Loc] = {}
         for i, a in enumerate(program):
             if a.is_comm:
-                ps, pi = partner[(s, i)]
-                waits_for[(s, unit_of[s][i])].append((a, (ps, unit_of[ps][pi])))
-    return Prepared(programs, peak_live, units, waits_for)
+                before[(s, i)] = last.get((a.op, a.peer))
+                last[(a.op, a.peer)] = (s, i)
+        receive.append({(a.op, a.mb): i for i, a in enumerate(program) if a.op in (Op.RECV_F, Op.RECV_B)})
+    return Prepared(programs, peak_live, partner, before, receive)
 
 
 def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
@@ -122,17 +134,20 @@ def _expected_peer(op: Op, s: int) -> int:
     return s + 1 if op in (Op.SEND_F, Op.RECV_B) else s - 1
 
 
-def _prerequisites(action: Action, s: int, n: int) -> list[Action]:
-    """Actions that must have completed earlier on stage s before `action` may run."""
+def _prerequisites(action: Action, s: int, n: int, split: bool) -> list[Action]:
+    """Actions that must have completed earlier on stage s before `action` may run (`split`:
+    the micro-batch's backward runs as I and W)."""
     mb = action.mb
     if action.op is Op.F:
         return [Action(Op.RECV_F, mb, s - 1)] if s > 0 else []
-    if action.op is Op.B:
+    if action.op in (Op.B, Op.I):
         return [Action(Op.F, mb)] + ([Action(Op.RECV_B, mb, s + 1)] if s < n - 1 else [])
+    if action.op is Op.W:
+        return [Action(Op.I, mb)]
     if action.op is Op.SEND_F:
         return [Action(Op.F, mb)]
     if action.op is Op.SEND_B:
-        return [Action(Op.B, mb)]
+        return [Action(Op.I if split else Op.B, mb)]
     if action.op is Op.RELEASE_OUT:
         return [Action(Op.SEND_F, mb, s + 1)]
     if action.op is Op.RELEASE_IN:
@@ -149,6 +164,8 @@ def _check_stage(programs: list[list[Action]], s: int) -> int:
         return ScheduleError(f"stage {s}: {program[i]} (action #{i}) {why}{shown}")
 
     done: set[Action] = set()
+    has = set(program)
+    split = {a.mb for a in program if a.op in (Op.I, Op.W)}
     live = peak = 0
     for i, a in enumerate(program):
         if Action(Op.STEP) in done:
@@ -168,20 +185,24 @@ def _check_stage(programs: list[list[Action]], s: int) -> int:
             raise fail(i, "is on the first stage, which receives no activations to release")
         if a in done:
             raise fail(i, "appears twice")
-        if a.op is Op.B and Action(Op.REDUCE_GRAD) in done:
+        if a.op.is_backward and Action(Op.REDUCE_GRAD) in done:
             raise fail(i, "runs after REDUCE_GRAD, which needs every gradient")
-        for need in _prerequisites(a, s, n):
+        if a.op is Op.B and a.mb in split:
+            raise fail(i, f"is a whole backward of a micro-batch whose backward also runs split (I{a.mb}, W{a.mb})")
+        for need in _prerequisites(a, s, n, a.mb in split):
             if need not in done:
                 raise fail(i, f"runs before {need}")
         done.add(a)
+        # A micro-batch's activations live from its F until its last backward: B, or W (W
+        # still needs the layers' inputs).
         if a.op is Op.F:
             live += 1
             peak = max(peak, live)
-        elif a.op is Op.B:
+        elif a.op in (Op.B, Op.W):
             live -= 1
     for i, a in enumerate(program):
-        if a.op is Op.F and Action(Op.B, a.mb) not in done:
-            raise fail(i, f"has no matching B{a.mb}")
+        if a.op is Op.F and not (Action(Op.B, a.mb) in has or {Action(Op.I, a.mb), Action(Op.W, a.mb)} <= has):
+            raise fail(i, f"has no matching B{a.mb} (or I{a.mb} and W{a.mb})")
     return peak
 
 
@@ -240,96 +261,148 @@ def _unit_text(unit: tuple[Action, ...]) -> str:
     return str(unit[0]) if len(unit) == 1 else f"[{format_program(unit)}]"
 
 
+def _needs(a: Action, s: int, n: int) -> tuple[Op, int] | None:
+    """The receive whose data compute `a` on stage s reads, if any."""
+    if a.op is Op.F and s > 0:
+        return Op.RECV_F, a.mb
+    if a.op in (Op.B, Op.I) and s < n - 1:
+        return Op.RECV_B, a.mb
+    return None
+
+
 def _run(
     prepared: Prepared,
     t_fwd: list[float],
     t_bwd: list[float],
+    t_wgt: list[float],
     t_comm: float,
 ) -> SimResult:
-    programs, units, waits_for, peak_live = prepared.programs, prepared.units, prepared.waits_for, prepared.peak_live
+    programs, partner, before, receive = prepared.programs, prepared.partner, prepared.before, prepared.receive
     n = len(programs)
+    # Each send's SENDS_IN_FLIGHT-th send before it on its channel, which must be done first.
+    in_flight_bound: dict[_Loc, _Loc | None] = {}
+    for loc in sorted(before):
+        back, prior = loc, None
+        for _ in range(SENDS_IN_FLIGHT):
+            prior = before[back]
+            if prior is None:
+                break
+            back = prior
+        in_flight_bound[loc] = prior
 
     pc = [0] * n
-    clock = [0.0] * n
+    clock = [0.0] * n  # compute
     busy = [0.0] * n
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(n)]
-    posted: dict[_Loc, float] = {}  # comm unit -> time its stage reached it
-    at_reduce: dict[int, float] = {}  # stage -> time it reached REDUCE_GRAD
+    posted: dict[_Loc, float] = {}  # comm op -> when its stage's compute reached it
+    started: dict[_Loc, float] = {}  # -> when it started on its channel
+    completed: dict[_Loc, float] = {}
+    open_ops: list[_Loc] = []  # posted, not completed
+    at_reduce: dict[int, float] = {}  # stage -> when it entered REDUCE_GRAD
 
-    # Every time below is a function of the programs alone (a post time depends only on earlier
-    # completions, which depend only on post times), so the order stages are visited in cannot
-    # change the result; it only decides how many sweeps it takes.
+    # Every time below is a function of the programs alone (a start depends only on earlier
+    # completions and posts, which depend only on earlier starts), so the order stages are
+    # visited in cannot change the result; it only decides how many sweeps it takes.
     progress = True
     while progress:
         progress = False
         for s in range(n):
-            while pc[s] < len(units[s]):
-                unit = units[s][pc[s]]
-                a = unit[0]
+            program = programs[s]
+            while pc[s] < len(program):
+                a = program[pc[s]]
                 if a.is_comm:
-                    loc = (s, pc[s])
-                    if loc not in posted:
-                        posted[loc] = clock[s]
-                        progress = True  # a new post can unblock a peer visited earlier
-                    if not all(p in posted for _, p in waits_for[loc]):
-                        break
-                    end = max([posted[loc]] + [posted[p] for _, p in waits_for[loc]]) + t_comm
-                    timeline[s].extend((x, posted[loc], end) for x in unit)
-                    clock[s] = end
+                    if a.is_send:
+                        # At most SENDS_IN_FLIGHT sends under way on a channel: the next waits
+                        # for the oldest (the runtime holds what an unsent output uses).
+                        oldest = in_flight_bound[(s, pc[s])]
+                        if oldest is not None:
+                            if oldest not in completed:
+                                break
+                            clock[s] = max(clock[s], completed[oldest])
+                    posted[(s, pc[s])] = clock[s]
+                    open_ops.append((s, pc[s]))
                 elif a.op is Op.REDUCE_GRAD:
                     if s not in at_reduce:
-                        at_reduce[s] = clock[s]
+                        mine = [loc for loc in posted if loc[0] == s]
+                        if not all(loc in completed for loc in mine):
+                            break
+                        at_reduce[s] = max([clock[s]] + [completed[loc] for loc in mine])
                         progress = True
                     if len(at_reduce) < n:
                         break
                     clock[s] = max(at_reduce.values())
                 elif a.is_compute:
-                    duration = t_fwd[s] if a.op is Op.F else t_bwd[s]
-                    timeline[s].append((a, clock[s], clock[s] + duration))
-                    clock[s] += duration
+                    need = _needs(a, s, n)
+                    start = clock[s]
+                    if need is not None:
+                        loc = (s, receive[s][need])
+                        if loc not in completed:
+                            break
+                        start = max(start, completed[loc])
+                    duration = {Op.F: t_fwd[s], Op.B: t_bwd[s], Op.I: t_bwd[s] - t_wgt[s], Op.W: t_wgt[s]}[a.op]
+                    timeline[s].append((a, start, start + duration))
+                    clock[s] = start + duration
                     busy[s] += duration
                 # Releases and STEP take no time and wait for nothing.
                 pc[s] += 1
                 progress = True
+        still_open = []
+        for loc in open_ops:
+            if loc not in started:
+                prior = before[loc]
+                if prior is not None and prior not in completed:
+                    still_open.append(loc)
+                    continue
+                started[loc] = max(posted[loc], completed[prior] if prior is not None else 0.0)
+                progress = True
+            other = partner[loc]
+            if other not in started:
+                still_open.append(loc)
+                continue
+            completed[loc] = max(started[loc], started[other]) + t_comm
+            timeline[loc[0]].append((programs[loc[0]][loc[1]], started[loc], completed[loc]))
+            progress = True
+        open_ops = still_open
 
-    stuck = [s for s in range(n) if pc[s] < len(units[s])]
-    if stuck:
-        raise ScheduleError(_deadlock_message(programs, units, pc, waits_for, posted, at_reduce))
+    if open_ops or any(pc[s] < len(programs[s]) for s in range(n)):
+        raise ScheduleError(_deadlock_message(prepared, pc, started, completed, at_reduce))
 
-    makespan = max(clock)
+    ends = [max([clock[s]] + [t for (q, _), t in completed.items() if q == s]) for s in range(n)]
+    for stage_timeline in timeline:
+        stage_timeline.sort(key=lambda entry: entry[1])
+    makespan = max(ends)
     total = sum(busy)
     return SimResult(
         makespan=makespan,
         busy=busy,
         bubble_fraction=1.0 - total / (n * makespan) if makespan > 0 else 0.0,
         stage_bubble=[1.0 - b / makespan if makespan > 0 else 0.0 for b in busy],
-        peak_live=peak_live,
+        peak_live=prepared.peak_live,
         timeline=timeline,
     )
 
 
-def _deadlock_message(
-    programs: list[list[Action]],
-    units: list[list[tuple[Action, ...]]],
-    pc: list[int],
-    waits_for: dict[_Loc, list[tuple[Action, _Loc]]],
-    posted: dict[_Loc, float],
-    at_reduce: dict[int, float],
-) -> str:
+def _deadlock_message(prepared: Prepared, pc: list[int], started: dict, completed: dict,
+                      at_reduce: dict[int, float]) -> str:
+    programs, partner, receive = prepared.programs, prepared.partner, prepared.receive
+    n = len(programs)
     states, details = [], []
-    for s in range(len(programs)):
-        if pc[s] == len(units[s]):
-            states.append(f"stage {s} finished")
-            continue
-        unit = units[s][pc[s]]
-        states.append(f"stage {s} waits at {_unit_text(unit)}")
-        if unit[0].is_comm:
-            for a, (ps, pu) in waits_for[(s, pc[s])]:
-                if (ps, pu) not in posted:
-                    wanted = _unit_text(units[ps][pu])
-                    details.append(f"\n  stage {s}: {a} needs stage {ps} to post {wanted}")
+    for s in range(n):
+        program = programs[s]
+        if pc[s] == len(program):
+            states.append(f"stage {s} finished its program")
+        elif program[pc[s]].op is Op.REDUCE_GRAD:
+            states.append(f"stage {s} waits at REDUCE_GRAD")
+            missing = [str(t) for t in range(n) if t not in at_reduce]
+            if missing:
+                details.append(f"\n  stage {s}: REDUCE_GRAD needs stage(s) {', '.join(missing)} to reach it")
         else:
-            missing = [str(t) for t in range(len(programs)) if t not in at_reduce]
-            details.append(f"\n  stage {s}: REDUCE_GRAD needs stage(s) {', '.join(missing)} to reach it")
+            a = program[pc[s]]
+            states.append(f"stage {s} waits at {a} for {program[receive[s][_needs(a, s, n)]]}")
+    for (s, i), (ps, pi) in sorted(partner.items()):
+        if (s, i) in completed or (ps, pi) in started:
+            continue
+        if s < len(pc) and i < pc[s] and (s, i) in started:
+            details.append(f"\n  stage {s}: {programs[s][i]} needs stage {ps} to post {programs[ps][pi]}")
     shown = _programs_text(programs)
     return "deadlock: " + ", ".join(states) + "".join(details) + "\n programs:" + shown
