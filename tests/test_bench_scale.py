@@ -43,7 +43,9 @@ def test_scale_suite_runs_on_cpu(tmp_path):
     assert ckpt["workers"] == 4 and ckpt["bytes"] > 0 and ckpt["write_bytes_per_s"] > 0
     assert ckpt["stall_s"] >= 0 and ckpt["overlap_s"] >= 0 and ckpt["save_duration_s"] > 0
     (lost,) = by_kind["lost worker"]
-    assert lost["failed_grid"] == "dp=1 x pp=2 x ep=2" and lost["resumed_step"] == 4 and lost["steps_lost"] == 1
+    # From the checkpoint committed before the kill (step 4), or from the states in memory when
+    # the step after it was copied whole before the worker died.
+    assert lost["failed_grid"] == "dp=1 x pp=2 x ep=2" and lost["resumed_step"] >= 4 and lost["steps_lost"] <= 1
     if lost["held"]:
         # All workers torn down, the lost one's CPUs held: 3 slots, no dp to shrink, so pp and ep are re-split.
         assert lost["held"] == {"CPU": 6.5} and lost["recovered_grid"] == "dp=1 x pp=3 x ep=1"
