@@ -14,6 +14,7 @@ import ray
 import torch
 
 from raypar import host_wait, kernels
+from raypar.checkpoint.pieces import FlatPieces, split_piece_name
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.resources import host_available_bytes
@@ -259,9 +260,9 @@ class StageWorker:
         t0 = time.perf_counter()
         tensors = self.runtime.snapshot_for_writing()
         t1 = time.perf_counter()
-        pieces = [(name, t, (0,) * t.ndim, tuple(t.shape)) for name, t in tensors.items()]
+        pieces = self.runtime.checkpoint_pieces(tensors)
         results = write_shard(checkpoint_dir(root, step), f"shard-{self.rank:05d}.safetensors", pieces)
-        return {"results": results, "shapes": {n: tuple(t.shape) for n, t in tensors.items()},
+        return {"results": results, "shapes": {name: shape for name, _, _, shape in pieces},
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                 "copy_wait_s": t1 - t0, "seconds": time.perf_counter() - t1}
 
@@ -301,7 +302,7 @@ class StageWorker:
     def export_memory(self, rank: int, steps_done: int) -> tuple[list[str], list]:
         """The names of `rank`'s state after `steps_done` steps, and it in the object store."""
         tensors = self.recent.tensors(rank, steps_done)
-        return list(tensors), [ray.put(pack(tensors))]
+        return sorted({split_piece_name(key)[0] for key in tensors}), [ray.put(pack(tensors))]
 
     def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool) -> dict:
         """Load this worker's state from `export_memory` results, fetching only the sources
@@ -311,7 +312,8 @@ class StageWorker:
         for names, refs in sources:
             if needed.intersection(names):
                 tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
-        self.runtime.load_checkpoint(tensors.__getitem__, set(tensors), same_grid)
+        held = FlatPieces(tensors)  # a sharded optimizer's shares come in flat pieces
+        self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
         return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 
     def clear_memory(self) -> None:
@@ -328,8 +330,13 @@ class StageWorker:
                 sizes.append(t.nbytes)
                 return t
 
+            def read_flat(*args) -> torch.Tensor:
+                t = reader.read_flat(*args)
+                sizes.append(t.nbytes)
+                return t
+
             names = set(reader.names())
-            missing = self.runtime.load_checkpoint(read, names, same_grid)
+            missing = self.runtime.load_checkpoint(read, names, same_grid, read_flat=read_flat)
         return {"rank": self.rank, "missing_optimizer_state": len(missing), "bytes": sum(sizes)}
 
     def owned_weight_names(self) -> list[str]:
@@ -395,6 +402,11 @@ class StageWorker:
         Gloo peers see the closed connections at once; NCCL has no such signal, so the
         driver's `abort` frees peers that wait on this worker.
         """
+        # Collectives the optimizer queued (reduce-scatters from inside backward, gathers for
+        # the next forwards) keep their group alive: a gloo group whose connections stay open
+        # would leave its peers waiting until the collective timeout.
+        if self.runtime is not None:
+            self.runtime.forget_collectives()
         if self.device.type == "cuda":
             self._abort_nccl()
         else:

@@ -15,6 +15,7 @@ from .manifest import (
     dtype_from_name,
     dtype_name,
 )
+from .pieces import FlatPieces, flat_range_boxes, piece_name, split_piece_name
 from .reader import CheckpointReader, ReadOp, plan_reads
 from .store import (
     MANIFEST_NAME,
@@ -39,6 +40,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
     "CheckpointReader",
+    "FlatPieces",
     "Manifest",
     "PieceEntry",
     "ReadOp",
@@ -49,6 +51,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "export_hf",
+    "flat_range_boxes",
     "is_committed",
     "is_model_weight",
     "latest",
@@ -56,11 +59,13 @@ __all__ = [
     "merge_entries",
     "newest_verified",
     "piece_key",
+    "piece_name",
     "plan_reads",
     "read_manifest",
     "resolve",
     "rotate",
     "set_aside",
+    "split_piece_name",
     "verify",
     "write_shard",
 ]

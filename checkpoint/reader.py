@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from . import storage, store
+from .pieces import read_flat_from_boxes
 from .manifest import SAFETENSORS_DTYPES, CheckpointError, Manifest, PieceEntry, TensorEntry, tensor_checksum
 from .storage import Location
 
@@ -114,6 +115,10 @@ class CheckpointReader:
         for op in plan_reads(entry, offsets, shape):
             target[op.dst] = self._read_piece_slice(entry, op)
         return target
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of `name` in row-major order (a sharded optimizer's share)."""
+        return read_flat_from_boxes(self.read, self.entry(name).shape, name, start, stop)
 
     def close(self) -> None:
         self._handles.clear()

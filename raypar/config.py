@@ -75,6 +75,13 @@ class ParallelConfig:
     schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2"] = "1f1b"
     microbatches: int = 1  # per data-parallel replica and step
     layers_per_stage: list[int] | None = None  # None: as even as possible
+    # Split the fp32 masters and AdamW moments over the workers that hold the same weights
+    # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
+    shard_optimizer: bool = False
+    grad_bucket_mb: float = 128.0  # fp32 gradients per reduce-scatter of a sharded optimizer
+    # Start a bucket's reduce-scatter inside the step's last backwards, once its gradients are
+    # complete, instead of after every backward (sharded optimizer)
+    overlap_grad_reduce: bool = True
 
 
 @dataclass
@@ -437,6 +444,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    if p.grad_bucket_mb <= 0:
+        raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be > 0 (megabytes of fp32 gradients)")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if not 0.0 <= m.dropout < 1.0:

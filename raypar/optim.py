@@ -129,6 +129,12 @@ class MasterOptimizer:
 
         return hook
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state on this worker: fp32 masters (of bf16 weights) and
+        AdamW's two moments."""
+        per = 3 if self.mixed else 2
+        return sum(per * 4 * m.numel() for m in self.master)
+
     def grads(self) -> list[torch.Tensor]:
         """The accumulated fp32 gradients, one per parameter (zeros where none arrived)."""
         out = []

@@ -45,7 +45,7 @@ def run_config(tmp_path, name: str, grid: tuple[int, int, int], steps: int, mode
     dp, pp, ep = grid
     return tiny_config(
         tmp_path / name, model=model or {},
-        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2},
+        parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2, **sections.pop("parallel", {})},
         train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
         data={"path": str(tmp_path / "data.parquet")},
         **{**sections, "checkpoint": {"dir": str(tmp_path / name / "ckpt"), **sections.get("checkpoint", {})}},

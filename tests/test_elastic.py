@@ -22,8 +22,8 @@ MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def elastic_config(tmp_path, name, grid, model=None, steps=8, **elastic):
-    return run_config(tmp_path, name, grid, steps, model, checkpoint={"every": 2},
+def elastic_config(tmp_path, name, grid, model=None, steps=8, parallel=None, **elastic):
+    return run_config(tmp_path, name, grid, steps, model, checkpoint={"every": 2}, parallel=parallel or {},
                       elastic={"enabled": True, "resource_timeout_s": 10.0, **elastic})
 
 
@@ -64,16 +64,19 @@ class KillAndWatchActors(KillWorker):
         self.after = [w._actor_id.hex() for w in trainer.group.workers]
 
 
-@pytest.mark.parametrize("grid, model, at, rank, memory_every", [
-    ((2, 2, 1), None, 2, 3, 1),
-    ((2, 2, 1), None, 5, 0, 0),
-    ((1, 2, 2), MOE, 4, 2, 1),
-], ids=["dense-dp2pp2-step2-memory", "dense-dp2pp2-step5-storage", "moe-pp2ep2-step4-memory"])
+@pytest.mark.parametrize("grid, model, at, rank, memory_every, sharded", [
+    # With the optimizer sharded: the lost rank's share comes back from its peer's replica,
+    # in flat pieces, and its data-parallel peer, waiting in a reduce-scatter, is kept.
+    ((2, 2, 1), None, 3, 1, 1, True),
+    ((2, 2, 1), None, 5, 0, 0, False),
+    ((1, 2, 2), MOE, 4, 2, 1, False),
+], ids=["dense-dp2pp2-sharded-step3-memory", "dense-dp2pp2-step5-storage", "moe-pp2ep2-step4-memory"])
 def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_path, data, grid, model, at, rank,
-                                                            memory_every, uninterrupted):
+                                                            memory_every, sharded, uninterrupted):
     reference = uninterrupted(grid, model)
     watch = KillAndWatchActors(at, rank)
-    summary = Trainer(elastic_config(tmp_path, "killed", grid, model, memory_every=memory_every),
+    summary = Trainer(elastic_config(tmp_path, "killed", grid, model, memory_every=memory_every,
+                                     parallel={"shard_optimizer": sharded}),
                       callbacks=[watch]).fit()
     assert len(summary.recoveries) == 1
     event = summary.recoveries[0]

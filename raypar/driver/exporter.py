@@ -231,6 +231,11 @@ class MetricsExporter(Callback):
             b.set("raypar_stage_peak_activation_bytes", nbytes, {**run, "stage": str(stage)})
         for stage, nbytes in enumerate(record.peak_device_bytes):
             b.set("raypar_stage_peak_device_memory_bytes", nbytes, {**run, "stage": str(stage)})
+        for stage, nbytes in enumerate(getattr(record, "optimizer_bytes", None) or []):
+            b.set("raypar_stage_optimizer_state_bytes", nbytes, {**run, "stage": str(stage)})
+        if getattr(record, "reduce_s", None) is not None:
+            b.set("raypar_gradient_reduction_seconds", record.reduce_s, run)
+            b.set("raypar_optimizer_step_seconds", record.optimizer_s, run)
 
         times = getattr(record, "stage_times", None)
         if times:

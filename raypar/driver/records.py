@@ -5,10 +5,11 @@ from dataclasses import asdict, dataclass, field
 from statistics import fmean
 from typing import Iterable
 
-from raypar.driver.stats import WorkerTimes, measured_bubble, pipelines, simulated_bubble, stage_times, step_loss
+from raypar.driver.stats import (WorkerTimes, measured_bubble, pipelines, simulated_bubble, stage_times, step_loss,
+                                 unit_seconds)
 from raypar.metrics import mfu
 from raypar.runtime.report import StepReport
-from raypar.schedule import Prepared
+from raypar.schedule import Op, Prepared
 from raypar.topology import Grid
 
 
@@ -31,6 +32,17 @@ class StepRecord:
     alltoall_bytes: int = 0
     alltoall_s: float | None = None  # slowest worker's host time in all-to-all (MoE with ep > 1)
     checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
+    optimizer_bytes: list[int] = field(default_factory=list)  # per stage: masters and moments of one worker
+    # Device seconds in the gradient reduction (all-reduce, or the reduce-scatters a sharded
+    # optimizer did not start inside backward; the first stage's, the last to finish backward,
+    # so it waits for no other stage) and in the optimizer step (the slowest worker's; a
+    # sharded optimizer's all-gather runs beside the next step's forwards).
+    reduce_s: float = 0.0
+    optimizer_s: float = 0.0
+    # Sharded optimizer: gradient buckets reduced over replicas (all workers), and those whose
+    # reduce-scatter was queued from inside backward.
+    grad_buckets: int = 0
+    grad_buckets_early: int = 0
     stage_times: list[WorkerTimes] = field(default_factory=list)  # per worker: forward, backward, idle seconds
     # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
@@ -62,6 +74,12 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         alltoall_bytes=sum(r.alltoall_bytes for r in reports),
         alltoall_s=max(r.alltoall_s for r in reports) if grid.ep > 1 else None,
         checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
+        optimizer_bytes=by_stage("optimizer_bytes"),
+        # The first stage finishes its backward last: its reduction waits for no other stage.
+        reduce_s=unit_seconds(reports, Op.REDUCE_GRAD, stage=0),
+        optimizer_s=unit_seconds(reports, Op.STEP),
+        grad_buckets=sum(r.buckets for r in reports),
+        grad_buckets_early=sum(r.buckets_early for r in reports),
         stage_times=stage_times(reports, grid),
         mfu=mfu(tokens / step_time_s, flops_per_token, grid.size, peak_flops),
     )
@@ -141,6 +159,11 @@ class RunSummary:
     mfu: float = 0.0  # steady steps' mean; by active parameters, over the devices of the grid that ran them
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # summed over steps
     tokens_dropped: int = 0
+    optimizer_bytes: list[int] = field(default_factory=list)  # per stage, one worker's
+    reduce_s_per_step: float = 0.0
+    optimizer_s_per_step: float = 0.0
+    # Sharded optimizer: the share of gradient buckets whose reduce-scatter began inside backward.
+    grad_buckets_early_share: float = 0.0
     alltoall_bytes_per_step: float = 0.0
     alltoall_s_per_step: float = 0.0
     start_step: int = 0  # > 0 when resumed from a checkpoint
@@ -167,6 +190,12 @@ class RunSummary:
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
             "peak activations    " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
         ]
+        if self.optimizer_bytes:
+            lines.append("optimizer state     " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.optimizer_bytes))
+                         + f"  (per worker; gradient reduction {self.reduce_s_per_step * 1000:.1f} ms, "
+                         f"optimizer step {self.optimizer_s_per_step * 1000:.1f} ms per step"
+                         + (f"; {self.grad_buckets_early_share:.0%} of gradient buckets reduced inside backward"
+                            if self.grad_buckets_early_share else "") + ")")
         if self.expert_tokens:
             for layer, counts in self.expert_tokens.items():
                 total = sum(counts) or 1
@@ -236,6 +265,10 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         consumed_samples=consumed,
         expert_tokens=sum_expert_tokens(r.expert_tokens for r in records),
         tokens_dropped=sum(r.tokens_dropped for r in records),
+        optimizer_bytes=records[-1].optimizer_bytes if records else [],
+        reduce_s_per_step=avg("reduce_s"),
+        optimizer_s_per_step=avg("optimizer_s"),
+        grad_buckets_early_share=(sum(r.grad_buckets_early for r in steady) / max(1, sum(r.grad_buckets for r in steady))),
         alltoall_bytes_per_step=avg("alltoall_bytes"),
         alltoall_s_per_step=fmean(timed_a2a) if timed_a2a else 0.0,
         start_step=start_step,

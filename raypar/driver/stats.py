@@ -68,6 +68,14 @@ class WorkerTimes:
     idle_s: float  # pipeline window (first action of the pipeline to its last backward) - F - B
 
 
+def unit_seconds(reports: Sequence[StepReport], op: Op, stage: int | None = None) -> float:
+    """The longest any worker (of `stage`, when given) spent in `op`'s units among the spans
+    these reports bring (a step's optimizer, which the device finishes after the report,
+    comes in the next step's late spans)."""
+    return max((sum(s.seconds for s in (r.events or []) + (r.late_events or []) if s.op == op)
+                for r in reports if stage is None or r.stage == stage), default=0.0)
+
+
 def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
     """Forward/backward/idle per worker from the step's reports.
 

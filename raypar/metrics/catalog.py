@@ -75,6 +75,16 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Peak bytes of activations held by a stage in the last step.", STAGE, "bytes"),
     MetricSpec("raypar_stage_peak_device_memory_bytes", "gauge",
                "Peak device memory allocated by a stage in the last step (0 on CPU).", STAGE, "bytes"),
+    MetricSpec("raypar_stage_optimizer_state_bytes", "gauge",
+               "Bytes of fp32 master weights and AdamW moments one worker of a stage holds (its share when "
+               "parallel.shard_optimizer is on).", STAGE, "bytes"),
+    # -- data parallelism ------------------------------------------------------------------
+    MetricSpec("raypar_gradient_reduction_seconds", "gauge",
+               "Device time the slowest worker spent reducing gradients over data-parallel replicas in the "
+               "last step (all-reduce, or reduce-scatter when the optimizer is sharded).", RUN, "seconds"),
+    MetricSpec("raypar_optimizer_step_seconds", "gauge",
+               "Device time the slowest worker spent in the optimizer step in the last step (a sharded "
+               "optimizer's all-gather of the updated weights runs beside the next step's forwards).", RUN, "seconds"),
     # -- mixture of experts --------------------------------------------------------------
     MetricSpec("raypar_alltoall_bytes_total", "counter",
                "Bytes sent by expert-parallel all-to-all (forward and backward, all workers).", RUN, "bytes"),

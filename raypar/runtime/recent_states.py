@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from raypar.checkpoint.pieces import split_piece_name
 from raypar.runtime.snapshot import StateSnapshot
 
 Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
@@ -42,13 +43,14 @@ def pack(tensors: dict[str, torch.Tensor]) -> Packed:
 
 
 def unpack(packed: Packed, names: set[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
-    """`pack`'s tensors (those in `names`): copied into this process's own memory, or with
+    """`pack`'s tensors (those of tensors in `names`, flat pieces too): copied into this process's own memory, or with
     `copy=False` read-only views of the arrays as Ray returned them (for a load that copies
     them into its own tensors next, one copy fewer)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(np.array(raw, copy=copy)).view(getattr(torch, dtype)).reshape(shape)
-                for name, (dtype, shape, raw) in packed.items() if names is None or name in names}
+                for name, (dtype, shape, raw) in packed.items()
+                if names is None or split_piece_name(name)[0] in names}
 
 
 class RecentStates:

@@ -93,6 +93,11 @@ class StepReport:
     grad_norm: float | None  # first stage only: one norm over the whole model, which that stage is last to finish
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
+    optimizer_bytes: int = 0  # fp32 masters and AdamW moments this worker holds (its share when sharded)
+    # Sharded optimizer: gradient buckets reduced over replicas, and how many of them were
+    # queued from inside backward (parallel.overlap_grad_reduce) rather than after it.
+    buckets: int = 0
+    buckets_early: int = 0
     # Still making or sending a copy of its state in memory (elastic.memory_every) from
     # before this step when it reported: a copy asked for now would likely be skipped, so the
     # driver asks for none until every worker can take one (copies of the same steps on

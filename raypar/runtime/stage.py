@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from raypar import host_wait
@@ -23,6 +24,7 @@ from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
 from raypar.model.split_backward import compute_weight_grads, drop_weight_grads, set_split_backward, weight_grads_deferred
 from raypar.optim import MasterOptimizer
+from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
@@ -32,7 +34,8 @@ from raypar.runtime.p2p import Inflight, connect_channels
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import load_state, rng_states, state_layout, state_tensors, takes_snapshots
+from raypar.runtime.state import (checkpoint_pieces, load_state, names_to_load, rng_states, state_layout,
+                                  state_tensors, takes_snapshots)
 from raypar.schedule import Action, Op, comm_groups
 from raypar.topology import Grid
 
@@ -138,7 +141,14 @@ class StageRuntime:
         self.recompute = cfg.runtime.recompute
         self.model.recompute = self.recompute == "block"
         self.model.on_block_input = lambda t: self.tracker.hold(self._mb, t)
-        self.optimizer = MasterOptimizer(self.model, cfg.train)
+        if cfg.parallel.shard_optimizer:
+            self.optimizer = ShardedOptimizer(self.model, cfg.train,
+                                              {"dense": groups.dense_grad, "expert": groups.expert_grad},
+                                              bucket_numel=int(cfg.parallel.grad_bucket_mb * 2**20) // 4,
+                                              overlap=cfg.parallel.overlap_grad_reduce,
+                                              timeout=self.timeout)
+        else:
+            self.optimizer = MasterOptimizer(self.model, cfg.train)
         if cfg.checkpoint.ema_decay > 0:
             # From the initial weights; a checkpoint load replaces it.
             self.optimizer.enable_ema(on_host=cfg.checkpoint.ema_on_host)
@@ -177,6 +187,8 @@ class StageRuntime:
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
         # I and W need the linear layers to leave their weight gradients for later.
         set_split_backward(self.model, any(a.op in (Op.I, Op.W) for a in self.program))
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.program_changed()
         self._ahead: _StepState | None = None
         # Only a forward that talks to no peer may be issued ahead of its call: the first
         # stage's first one, without MoE layers (whose all-to-alls need their group's peers).
@@ -240,6 +252,8 @@ class StageRuntime:
         peak_device = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         a2a = sum(m.stats.alltoall_bytes for m in self.moe_layers.values())
         a2a_s = sum(m.stats.alltoall_s for m in self.moe_layers.values())
+        buckets, early = (self.optimizer.bucket_counts() if isinstance(self.optimizer, ShardedOptimizer)
+                          else (0, 0))
         self.tracker.clear()
         state.release()
         if next_sample_ids is not None and self._runs_ahead:
@@ -284,7 +298,9 @@ class StageRuntime:
             peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
             peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, grads=grads, complete=not unfinished,
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, optimizer_bytes=self.optimizer.state_bytes(),
+            buckets=buckets, buckets_early=early,
+            grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
 
@@ -498,6 +514,20 @@ class StageRuntime:
         self.tracker.drop(mb)
 
     def _reduce_grads(self, capture: bool):
+        if isinstance(self.optimizer, ShardedOptimizer):
+            # Each rank's share is a distinct part of the gradients: their squares sum to
+            # the global norm's over the whole world.
+            sq = self.optimizer.reduce_gradients(self.grid.data_parallel_size).to(self.device)
+            all_reduce_([sq], dist.group.WORLD if dist.get_world_size() > 1 else None, self.timeout)
+        else:
+            sq = self._all_reduce_grads()
+        captured = None
+        if capture:
+            captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
+        return sq.sqrt(), captured
+
+    def _all_reduce_grads(self) -> torch.Tensor:
+        """Every replica's whole gradients averaged in place; returns the squared norm."""
         dense, expert = self.optimizer.split_grads()
         # Each pipeline's loss is the mean over its own samples and the step's loss is the
         # mean over all dp x ep pipelines. Dense weights saw one pipeline's data: average
@@ -510,10 +540,7 @@ class StageRuntime:
         # Dense gradients are equal on the ep ranks of a stage: count them once.
         sq = (self.optimizer.local_sq_norm(dense) / self.grid.ep + self.optimizer.local_sq_norm(expert)).to(self.device)
         all_reduce_([sq], self.groups.replica, self.timeout)
-        captured = None
-        if capture:
-            captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
-        return sq.sqrt(), captured
+        return sq
 
     # -- state ---------------------------------------------------------------------------
 
@@ -529,6 +556,7 @@ class StageRuntime:
         next step (`StateSnapshot`), and its optimizer step waits for them.
         """
         t0 = time.perf_counter()
+        self._weights_gathered()
         check = queue_world_check(self.device, self.timeout)
 
         emas = self.optimizer.ema_for_snapshot()
@@ -547,6 +575,7 @@ class StageRuntime:
         next step, whose optimizer waits for the copy on the device. The copy is valid once
         the driver has every worker's report of the step. Returns the stall."""
         t0 = time.perf_counter()
+        self._weights_gathered()
         self.recent = recent
         emas = self.optimizer.ema_for_snapshot()
 
@@ -567,8 +596,12 @@ class StageRuntime:
         return sum(shape.numel() * dtype.itemsize for shape, dtype in self.memory_layout().values())
 
     def state_names(self) -> set[str]:
-        """Every name this worker's state has (all it holds and its RNG's): what a load needs."""
-        return set(state_layout(self.optimizer, None)) | set(rng_states(self.rank, self.device))
+        """The tensors a load of this worker's state reads (and its RNG's)."""
+        return names_to_load(self.optimizer) | set(rng_states(self.rank, self.device))
+
+    def checkpoint_pieces(self, tensors: dict[str, torch.Tensor]):
+        """A snapshot's tensors as `write_shard` pieces of the named tensors."""
+        return checkpoint_pieces(self.optimizer, tensors)
 
     def snapshot_for_writing(self) -> dict[str, torch.Tensor]:
         """The last snapshot's tensors in host memory, once copied and its peer check passed."""
@@ -579,13 +612,26 @@ class StageRuntime:
             raise CollectiveTimeout(f"step {self.snapshot.step}'s snapshot is not saved: {why}")
         return tensors
 
-    def load_checkpoint(self, read, names: set[str], same_grid: bool) -> list[str]:
+    def load_checkpoint(self, read, names: set[str], same_grid: bool, read_flat=None) -> list[str]:
         self._drop_ahead()
-        return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device)
+        return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device,
+                          read_flat=read_flat)
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         self._drop_ahead()
         return self.optimizer.load_(tensors)
 
+    def forget_collectives(self) -> None:
+        """Drop the collectives the optimizer queued and did not wait for (a failed step's)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.forget_collectives()
+
+    def _weights_gathered(self) -> None:
+        """A sharded optimizer gathers the updated weights while the next step's forwards
+        run: what copies them (a snapshot's side stream, the host) comes after this."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.wait_for_weights()
+
     def parameters_cpu(self) -> dict[str, torch.Tensor]:
+        self._weights_gathered()
         return {n: t.detach().float().cpu().clone() for n, t in unstacked(self.model)}

@@ -5,19 +5,26 @@ master weights, bf16 models only), `optim.exp_avg.<param>`, `optim.exp_avg_sq.<p
 `optim.step.<param>` (AdamW), `ema.<param>` (fp32 EMA of the masters, when kept),
 `rng.rank<r>.cpu` / `rng.rank<r>.cuda`. Replicas hold equal copies; only one of them
 writes each tensor: dp rank 0 writes experts, dp rank 0 and ep rank 0 write everything else.
+
+A sharded optimizer (`parallel.shard_optimizer`) holds of each master, moment and EMA only
+its rank's flat share: those are flat pieces (`piece_name`), each written by its holder
+and saved as pieces of the named tensor, so either kind of run loads the other's state.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+import math
 
 import torch
 
+from raypar.checkpoint.pieces import flat_range_boxes, piece_name, split_piece_name
 from raypar.config import Config
 from raypar.model import stage_param_shapes
 from raypar.optim import MasterOptimizer, is_expert_param
 from raypar.runtime.snapshot import Layout
+from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.topology import Coord, Grid
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -52,6 +59,12 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
                   with_rng: bool = True, emas: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """This worker's share of the state (all it holds when coord is None), as live tensors;
     the EMA's from `emas` when given (`MasterOptimizer.ema_for_snapshot`)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.wait_for_weights()  # the last step's gathers still write the weights
+        out = _sharded_tensors(optimizer, coord, save_optimizer, save_master, emas)
+        if with_rng:
+            out.update(rng_states(rank, device))
+        return out
     out: dict[str, torch.Tensor] = {}
     for name, param, master, state, ema in _written(optimizer, coord, emas):
         out[name] = param.detach()
@@ -68,6 +81,59 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
     return out
 
 
+def _sharded_tensors(optimizer: ShardedOptimizer, coord: Coord | None, save_optimizer: bool, save_master: bool,
+                     emas: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """`state_tensors` of a sharded optimizer: whole weights by the usual writer, and every
+    flat piece of this rank's share (no other rank holds it)."""
+    out = {key: view.detach() for key, view in _named_views(optimizer) if coord is None or writes(coord, key)}
+    emas = emas or optimizer.ema
+    for family, seg, state in optimizer.segment_states():
+        at, n = seg.at, seg.stop - seg.start
+        if optimizer.mixed and save_master:
+            out[piece_name(f"master.{seg.key}", seg.start)] = family.master[at:at + n]
+        if emas is not None:
+            out[piece_name(f"ema.{seg.key}", seg.start)] = emas[optimizer.families.index(family)][at:at + n]
+        if save_optimizer:
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[piece_name(f"optim.{key}.{seg.key}", seg.start)] = state[key]
+            if seg.start == 0:  # the step count is one scalar: its first element's holder writes it
+                out[f"optim.step.{seg.key}"] = state["step"]
+    return out
+
+
+def global_shape(shapes: dict[str, torch.Size], name: str) -> tuple[int, ...]:
+    """The shape of a tensor of the state by its name, from the weights' (`_key_shapes`)."""
+    if name.startswith("optim.step."):
+        return ()
+    for prefix in ("master.", "ema.", "optim.exp_avg.", "optim.exp_avg_sq."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return tuple(shapes[name])
+
+
+def _key_shapes(optimizer: MasterOptimizer) -> dict[str, torch.Size]:
+    return {key: view.shape for key, view in _named_views(optimizer)}
+
+
+def checkpoint_pieces(optimizer: MasterOptimizer, tensors: dict[str, torch.Tensor]):
+    """(name, tensor, offsets, global shape) of each tensor of a snapshot for `write_shard`:
+    whole tensors at the origin, a flat piece as the boxes its range covers."""
+    pieces, shapes = [], _key_shapes(optimizer)
+    for key, t in tensors.items():
+        name, start = split_piece_name(key)
+        if start is None:
+            pieces.append((name, t, (0,) * t.ndim, tuple(t.shape)))
+            continue
+        shape = global_shape(shapes, name)
+        flat, at = t.reshape(-1), 0
+        for offsets, box in flat_range_boxes(shape, start, start + t.numel()):
+            n = math.prod(box)
+            pieces.append((name, flat[at:at + n].view(box), offsets, shape))
+            at += n
+    return pieces
+
+
 def rng_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's generator states, as new CPU tensors."""
     out = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
@@ -80,6 +146,9 @@ def state_layout(optimizer: MasterOptimizer, coord: Coord | None, save_optimizer
                  save_master: bool = True) -> Layout:
     """Shape and dtype of the tensors `state_tensors` will return (RNG states aside), from
     the parameters alone: AdamW's moments are shaped like the masters."""
+    if isinstance(optimizer, ShardedOptimizer):
+        tensors = _sharded_tensors(optimizer, coord, save_optimizer, save_master, optimizer.ema)
+        return {name: (t.shape, t.dtype) for name, t in tensors.items()}
     params = [(name, param.shape, param.dtype) for name, param, *_ in _written(optimizer, coord)]
     return params_layout(params, optimizer.mixed, save_optimizer, save_master, ema=optimizer.ema is not None)
 
@@ -103,6 +172,19 @@ def params_layout(params: Iterable[tuple[str, torch.Size, torch.dtype]], mixed: 
     return out
 
 
+def names_to_load(optimizer: MasterOptimizer) -> set[str]:
+    """The tensors a load of this worker's state reads: all it holds (a sharded share's
+    pieces by their tensor's name), every weight's master (a sharded load reads it whole
+    for the weight), and the step counts of its shares."""
+    names = {split_piece_name(name)[0] for name in state_layout(optimizer, None)}
+    if optimizer.mixed:
+        names |= {f"master.{key}" for key, _ in _named_views(optimizer)}
+    if isinstance(optimizer, ShardedOptimizer):
+        # One rank holds each tensor's step count; every rank with a share of it reads it.
+        names |= {f"optim.step.{seg.key}" for _, seg, _ in optimizer.segment_states()}
+    return names
+
+
 def takes_snapshots(cfg: Config) -> bool:
     """Whether a run copies state to host: checkpoint saves."""
     return cfg.checkpoint.every > 0
@@ -116,16 +198,19 @@ def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid, everything: bool = Fa
     checkpoint saves."""
     c = cfg.checkpoint
     optimizer, master = (True, True) if everything else (c.save_optimizer, c.save_master)
+    # A sharded optimizer's pieces are shaped by the rank's share: only the weights are known.
+    sharded = cfg.parallel.shard_optimizer
     most: Counter = Counter()
     for stage in range(grid.pp):
         params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep)
         mixed = any(dtype != torch.float32 for _, _, dtype in params)
-        most |= Counter(params_layout(params, mixed, optimizer, master, c.ema_decay > 0).values())
+        most |= Counter(params_layout(params, mixed, optimizer and not sharded, master and not sharded,
+                                      c.ema_decay > 0 and not sharded).values())
     return list(most.elements())
 
 
 def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | None, device: torch.device,
-               threads: int = 8) -> list[str]:
+               threads: int = 8, read_flat=None) -> list[str]:
     """Fill parameters, masters and AdamW state from `read(name) -> Tensor`.
 
     `names` is what the checkpoint holds. Masters come from `master.<p>` when saved, else
@@ -133,9 +218,15 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     weights. `rank` restores this rank's RNG (same grid only; None skips it).
     `read` runs on `threads` threads, in order, ahead of the copies (`read_ahead`).
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
+    A sharded optimizer also needs `read_flat(name, start, stop)`: a range of a tensor's
+    elements in row-major order (`CheckpointReader.read_flat`, `FlatPieces.read_flat`).
     """
-    missing_optim, plan = [], []
     optimizer.settle_ema()
+    if isinstance(optimizer, ShardedOptimizer):
+        missing = _load_sharded(optimizer, read, read_flat, names, threads)
+        _load_rng(read, names, rank, device)
+        return missing
+    missing_optim, plan = [], []
     pieces = list(_pieces(optimizer))
     for name, _, _, _, ema in pieces:
         if name not in names:
@@ -162,11 +253,69 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
                 for key in ADAM_STATE:
                     # Into the tensors the optimizer made at start (a checkpoint keeps step counts as [1]).
                     state[key].copy_(next(values).reshape(state[key].shape))
+    _load_rng(read, names, rank, device)
+    return missing_optim
+
+
+def _load_rng(read, names: set[str], rank: int | None, device: torch.device) -> None:
     if rank is not None and f"rng.rank{rank}.cpu" in names:
         torch.set_rng_state(read(f"rng.rank{rank}.cpu"))
         if device.type == "cuda" and f"rng.rank{rank}.cuda" in names:
             torch.cuda.set_rng_state(read(f"rng.rank{rank}.cuda"), device)
-    return missing_optim
+
+
+def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str], threads: int) -> list[str]:
+    """`load_state` for a sharded optimizer: every weight whole (its masters' share sliced
+    from it), this rank's ranges of the moments and EMA."""
+    optimizer.wait_for_weights()  # no gather may write the weights after the load
+    shapes = _key_shapes(optimizer)
+    by_key: dict[str, list] = {}
+    for family, seg, state in optimizer.segment_states():
+        by_key.setdefault(seg.key, []).append((family, seg, state))
+    keys = [key for name, _ in optimizer.named_params for key, _ in optimizer.slices[name]]
+    reads, missing = [], []
+    for key in keys:
+        if key not in names:
+            raise KeyError(key)
+        source = f"master.{key}" if optimizer.mixed and f"master.{key}" in names else key
+        reads.append(lambda source=source: read(source))
+        for _, seg, _ in by_key.get(key, []):
+            for name in (f"ema.{key}" if optimizer.ema is not None else None,
+                         f"optim.exp_avg.{key}", f"optim.exp_avg_sq.{key}"):
+                if name in names:
+                    reads.append(lambda name=name, seg=seg: read_flat(name, seg.start, seg.stop))
+            if f"optim.exp_avg.{key}" in names:
+                reads.append(lambda key=key: read(f"optim.step.{key}"))
+            elif key not in missing:
+                missing.append(key)
+    values = read_ahead(lambda call: call(), reads, threads)
+    params = dict(_named_views(optimizer))
+    with torch.no_grad():
+        for key in keys:
+            whole = next(values).reshape(shapes[key])
+            params[key].copy_(whole)
+            for family, seg, state in by_key.get(key, []):
+                at, n = seg.at, seg.stop - seg.start
+                master = family.master[at:at + n]
+                # The weight was just read whole: the masters' share is a slice of it.
+                master.copy_(whole.reshape(-1)[seg.start:seg.stop])
+                if optimizer.ema is not None:
+                    ema = optimizer.ema[optimizer.families.index(family)][at:at + n]
+                    ema.copy_(next(values) if f"ema.{key}" in names else master)
+                if f"optim.exp_avg.{key}" in names:
+                    state["exp_avg"].copy_(next(values))
+                    state["exp_avg_sq"].copy_(next(values))
+                    state["step"].copy_(next(values).reshape(()))
+                else:
+                    for t in state.values():
+                        t.zero_()
+    return missing
+
+
+def _named_views(optimizer: MasterOptimizer):
+    for name, param in optimizer.named_params:
+        for key, index in optimizer.slices[name]:
+            yield key, param[index]
 
 
 def read_ahead(read: Callable[[str], torch.Tensor], names: list[str], threads: int) -> Iterator[torch.Tensor]:

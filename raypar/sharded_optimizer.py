@@ -1,0 +1,442 @@
+"""AdamW whose fp32 state is split evenly over the replicas of the parameters (ZeRO stage 1).
+
+The parameters a group of workers all hold (a stage's dense weights over its dp x ep
+workers, its experts over dp) form a family, laid end to end in flat buffers: the weights
+(the module's parameters become views of that buffer) and their fp32 gradients, in full;
+and only this rank's share of the fp32 masters, AdamW's moments and the EMA. The family is
+cut into buckets of whole parameters, each padded and split evenly over the group, wherever
+parameters begin and end: a rank's share is its slice of every bucket. A step
+reduce-scatters each bucket's gradients into the share (`reduce_gradients`), runs AdamW on
+the share, and all-gathers the updated weights in place.
+
+Checkpoints see a share as flat pieces of the named tensors (`Segment`), so a sharded run's
+state loads on any grid, sharded or not, and an unsharded one loads here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raypar.config import TrainConfig
+from raypar.model.experts import named_slices
+from raypar.optim import MasterOptimizer, _decays, is_expert_param, lr_at
+from raypar.runtime.comm import wait_for
+
+# Every parameter starts at a multiple of this many elements in the flat buffer (grouped
+# GEMMs read 16-byte aligned rows; 128 bytes keeps vector loads whole), and every rank's
+# slice of a bucket is a multiple of it.
+ALIGN = 64
+# torch 2.14 renames the flat collectives; 2.11 (the GPU image) has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of checkpoint tensor `key` (row-major), held at
+    [at, at + stop - start) of this rank's share."""
+
+    key: str
+    start: int
+    stop: int
+    at: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # in the family's flat buffer
+    size: int  # padded: a multiple of group size x ALIGN
+    share_at: int  # where this rank's slice sits in its share
+
+    def slice_of(self, rank: int, ranks: int) -> tuple[int, int]:
+        n = self.size // ranks
+        return self.start + rank * n, self.start + (rank + 1) * n
+
+
+class Family:
+    """Parameters replicated over one group, in flat buffers, with this rank's share."""
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], slices: dict[str, list[tuple[str, tuple]]],
+                 group, bucket_numel: int, mixed: bool, overlap: bool = True) -> None:
+        self.name, self.group, self.mixed, self.overlap = name, group, mixed, overlap
+        self.ranks = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.params = params
+        device, dtype = params[0][1].device, params[0][1].dtype
+        sizes = [_round_up(p.numel(), ALIGN) for _, p in params]
+        # Backward produces the last parameters' gradients first: they fill the first
+        # buckets, which are then the first complete. A bucket holds whole parameters.
+        members: list[list[int]] = [[]]
+        filled = 0
+        for i in reversed(range(len(params))):
+            if members[-1] and filled + sizes[i] > bucket_numel:
+                members.append([])
+                filled = 0
+            members[-1].append(i)
+            filled += sizes[i]
+        self.offsets = [0] * len(params)
+        self.buckets: list[Bucket] = []
+        start = share = 0
+        for bucket in members:
+            at = start
+            for i in bucket:
+                self.offsets[i] = at
+                at += sizes[i]
+            size = _round_up(at - start, self.ranks * ALIGN)
+            self.buckets.append(Bucket(start, size, share))
+            start, share = start + size, share + size // self.ranks
+        self.numel = sum(b.size for b in self.buckets)
+        self.share_numel = self.numel // self.ranks
+
+        self.weights = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for (_, p), off in zip(params, self.offsets):
+                view = self.weights[off:off + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+        # With one rank the share is the whole buffer: no copies of it.
+        self.grad_share = self.grads if self.ranks == 1 else torch.zeros(self.share_numel, dtype=torch.float32,
+                                                                          device=device)
+        if self.ranks == 1 and not mixed:
+            self.master = self.weights
+        else:
+            self.master = torch.zeros(self.share_numel, dtype=torch.float32, device=device)
+            self._share_of(self.weights, self.master)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.segments = self._segments(slices)
+        self.restart_counts(relearn=True)
+        self._gathers: list = [None] * len(self.buckets)
+        self.bucket_of = [next(k for k, b in enumerate(self.buckets) if b.start <= off < b.start + b.size)
+                          for off in self.offsets]
+        self.early = 0  # buckets of the last step queued from inside backward
+        self.shapes = {key: p[index].shape for name, p in params for key, index in slices[name]}
+        self.decays = {key: _decays(name, p) for name, p in params for key, _ in slices[name]}
+
+    def _share_of(self, full: torch.Tensor, share: torch.Tensor) -> None:
+        """Copy this rank's slices of `full` into `share`."""
+        for b in self.buckets:
+            lo, hi = b.slice_of(self.rank, self.ranks)
+            share[b.share_at:b.share_at + hi - lo].copy_(full[lo:hi])
+
+    def _segments(self, slices: dict[str, list[tuple[str, tuple]]]) -> list[Segment]:
+        """Where each named tensor's elements in this rank's share sit."""
+        out = []
+        for (name, p), off in zip(self.params, self.offsets):
+            for key, index in slices[name]:
+                view = p[index]
+                if not view.is_contiguous():
+                    raise ValueError(f"{key}: a checkpoint tensor must be a contiguous part of {name}")
+                k0 = off + view.storage_offset() - p.storage_offset()
+                for b in self.buckets:
+                    lo, hi = b.slice_of(self.rank, self.ranks)
+                    a, z = max(lo, k0), min(hi, k0 + view.numel())
+                    if a < z:
+                        out.append(Segment(key, a - k0, z - k0, b.share_at + a - lo))
+        return out
+
+    # -- gradient reduction, bucket by bucket ---------------------------------------------
+    #
+    # With `overlap`, a bucket's reduce-scatter is queued from inside backward, as soon as
+    # its parameters have received as many gradients this step as they did the step before
+    # (a stage's program fixes that count; the first step of a program learns it). At the
+    # step's REDUCE_GRAD every bucket not queued yet is, and one that received more than
+    # expected is queued again: a reduce-scatter only reads the gradients, so the second one
+    # sees them all and overwrites the share. Every rank of the group queues the same
+    # buckets in the same order: they run the same program on the same layers.
+
+    def _issue(self, b: int) -> None:
+        bucket = self.buckets[b]
+        n = bucket.size // self.ranks
+        self._works[b] = _reduce_scatter(self.grad_share[bucket.share_at:bucket.share_at + n],
+                                         self.grads[bucket.start:bucket.start + bucket.size],
+                                         group=self.group, async_op=True)
+
+    def restart_counts(self, relearn: bool = False) -> None:
+        """Forget this step's arrivals (a new step, or one cancelled); `relearn` also forgets
+        the expected counts (a new program)."""
+        self._arrived = [0] * len(self.buckets)
+        self._works: list = [None] * len(self.buckets)
+        self._late = [False] * len(self.buckets)
+        if relearn:
+            self._expected = None
+
+    def reduce_scatter(self) -> list:
+        """Queue what is not queued yet of each bucket's sum over the group into this rank's
+        share; returns every bucket's work of this step, in order."""
+        if self.ranks == 1:
+            return []
+        self.early = sum(1 for b, w in enumerate(self._works) if w is not None and not self._late[b])
+        for b in range(len(self.buckets)):
+            if self._works[b] is None or self._late[b]:
+                self._issue(b)
+        works = self._works
+        self._expected = self._arrived if self.overlap else None
+        self.restart_counts()
+        return works
+
+    def all_gather_weights(self) -> None:
+        """Write the updated share into the weights and queue the gather of every rank's;
+        `wait_gathers` before anything reads the bucket's weights."""
+        if self.master is not self.weights:
+            for b in self.buckets:
+                lo, hi = b.slice_of(self.rank, self.ranks)
+                self.weights[lo:hi].copy_(self.master[b.share_at:b.share_at + hi - lo])
+        if self.ranks == 1:
+            return
+        for k, b in enumerate(self.buckets):
+            lo, hi = b.slice_of(self.rank, self.ranks)
+            self._gathers[k] = _all_gather(self.weights[b.start:b.start + b.size], self.weights[lo:hi],
+                                           group=self.group, async_op=True)
+
+    def wait_gathers(self, buckets=None, timeout: timedelta = timedelta(minutes=10)) -> None:
+        """Order what runs next after the gathers of these buckets (all by default): on a
+        GPU the stream waits, the host does not."""
+        for k in range(len(self.buckets)) if buckets is None else buckets:
+            work, self._gathers[k] = self._gathers[k], None
+            if work is not None:
+                wait_for(work, timeout, "weight all-gather")
+
+    def full_grads(self) -> torch.Tensor:
+        """Every rank's reduced share gathered into one flat buffer (tests compare gradients)."""
+        if self.ranks == 1:
+            return self.grads
+        full = torch.zeros_like(self.grads)
+        for b in self.buckets:
+            n = b.size // self.ranks
+            _all_gather(full[b.start:b.start + b.size], self.grad_share[b.share_at:b.share_at + n], group=self.group)
+        return full
+
+    def accumulate_hook(self, i: int):
+        p = self.params[i][1]
+        into = self.grads[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        b = self.bucket_of[i]
+
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:  # a backward that left this weight's gradient for later (split_backward)
+                return
+            into.add_(param.grad)
+            param.grad = None
+            if self.ranks == 1 or not self.overlap:
+                return
+            self._arrived[b] += 1
+            if self._works[b] is not None:
+                self._late[b] = True
+            elif self._expected is not None and self._arrived[b] == self._expected[b]:
+                self._issue(b)
+
+        return hook
+
+
+class ShardedOptimizer(MasterOptimizer):
+    """`MasterOptimizer`'s AdamW (clipping, schedule, EMA) on this rank's share of each family.
+
+    `groups`: the group each family's parameters are replicated over ("dense", "expert"),
+    None for a family no other worker holds.
+    """
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig, groups: dict[str, object | None],
+                 bucket_numel: int = 50_000_000, overlap: bool = True, timeout: timedelta = timedelta(minutes=10)):
+        self.cfg, self.timeout = cfg, timeout
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.slices = named_slices(module)
+        self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
+        by_family: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for n, p in self.named_params:
+            by_family.setdefault("expert" if is_expert_param(n) else "dense", []).append((n, p))
+        self.families = [Family(f, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap)
+                         for f, params in sorted(by_family.items())]
+        for family in self.families:
+            for i, _ in enumerate(family.params):
+                family.params[i][1].register_post_accumulate_grad_hook(family.accumulate_hook(i))
+        self._wait_before_forwards(module)
+        # The base class's EMA works on `master`: here one share per family.
+        self.master = [f.master for f in self.families]
+        self.ema = None
+        self._host_ema = None
+        decay, no_decay = [], []
+        self._state_of: dict[int, tuple[Family, Segment]] = {}
+        for family in self.families:
+            for seg in family.segments:
+                view = family.master[seg.at:seg.at + seg.stop - seg.start]
+                view.grad = family.grad_share[seg.at:seg.at + seg.stop - seg.start]
+                (decay if family.decays[seg.key] else no_decay).append(view)
+                self._state_of[id(view)] = (family, seg)
+        groups_ = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if ps]
+        # A rank whose share holds nothing (more ranks than elements) still takes part in
+        # the collectives; it just has no AdamW to run.
+        self.optimizer = torch.optim.AdamW(groups_, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           fused=True) if groups_ else None
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                for view in group["params"]:
+                    family, seg = self._state_of[id(view)]
+                    n = seg.stop - seg.start
+                    self.optimizer.state[view] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=view.device),
+                        "exp_avg": family.exp_avg[seg.at:seg.at + n],
+                        "exp_avg_sq": family.exp_avg_sq[seg.at:seg.at + n],
+                    }
+
+    # -- the updated weights' all-gather, waited for where they are read ----------------
+    #
+    # A step queues every bucket's all-gather and returns. The next step's forwards wait,
+    # module by module, for the buckets of their own parameters (a module's forward pre-hook),
+    # so the first layers run while the rest are gathered; anything else that reads the
+    # weights (a snapshot, a load, a parameter dump) waits for all of them first.
+
+    def _wait_before_forwards(self, module: nn.Module) -> None:
+        """A forward pre-hook on each top-level part of the stage (the embedding, every block
+        of a module container, the head...) for the buckets of the parameters under it: a
+        few hooks per forward, not one per layer."""
+        where = {id(p): (f, f.bucket_of[i]) for f in self.families for i, (_, p) in enumerate(f.params)}
+        parts = []
+        for child in module.children():
+            parts += list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+        covered = set()
+        for part in parts:
+            ids = {id(p) for p in part.parameters()} & where.keys()
+            covered |= ids
+            if ids:
+                part.register_forward_pre_hook(self._waiter(sorted({where[i] for i in ids}, key=self._order)))
+        rest = where.keys() - covered  # parameters of the stage module itself: before its forward
+        if rest:
+            module.register_forward_pre_hook(self._waiter(sorted({where[i] for i in rest}, key=self._order)))
+
+    def _order(self, pair) -> tuple[int, int]:
+        return self.families.index(pair[0]), pair[1]
+
+    def _waiter(self, pairs):
+        def hook(module, args) -> None:
+            for family, b in pairs:
+                if family._gathers[b] is not None:
+                    family.wait_gathers([b], self.timeout)
+
+        return hook
+
+    def forget_collectives(self) -> None:
+        """Drop every queued collective and the groups themselves without waiting (the step
+        failed and the groups go away; this optimizer is not stepped again). A gloo group
+        that something still refers to keeps its connections open when its process leaves
+        it, and a peer waiting on this rank would hang until the collective timeout."""
+        for f in self.families:
+            f.restart_counts()
+            f._gathers = [None] * len(f.buckets)
+            f.group = None
+
+    def wait_for_weights(self) -> None:
+        """Order what runs next after every pending gather of the weights."""
+        for f in self.families:
+            f.wait_gathers(timeout=self.timeout)
+
+    def bucket_counts(self) -> tuple[int, int]:
+        """(buckets reduced over other ranks, those of them queued from inside backward) in
+        the last reduction."""
+        shared = [f for f in self.families if f.ranks > 1]
+        return sum(len(f.buckets) for f in shared), sum(f.early for f in shared)
+
+    def program_changed(self) -> None:
+        """A new stage program: how many gradients each bucket gets per step is learnt anew."""
+        for f in self.families:
+            f.restart_counts(relearn=True)
+
+    # -- what a checkpoint and the stage read ------------------------------------------
+
+    def segment_states(self):
+        """(family, segment, its AdamW state) of every segment of this rank's share."""
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            for view in group["params"]:
+                family, seg = self._state_of[id(view)]
+                yield family, seg, self.optimizer.state[view]
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's share: AdamW's moments, and fp32 masters where they are not
+        the weights themselves (bf16 weights, or fp32 ones split over several ranks)."""
+        return sum(4 * f.share_numel * (2 + (f.master is not f.weights)) for f in self.families)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [f.grad_share for f in self.families]
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient, whole (each rank's reduced share gathered): for tests."""
+        out = {}
+        for family in self.families:
+            full = family.full_grads()
+            for (name, p), off in zip(family.params, family.offsets):
+                grad = full[off:off + p.numel()].view(p.shape)
+                for key, index in self.slices[name]:
+                    out[key] = grad[index]
+        return out
+
+    def reduce_gradients(self, replicas: int) -> torch.Tensor:
+        """Sum every family's gradients over its group into this rank's share, divided by
+        `replicas` (the pipelines of the grid, dp x ep: each one's loss is a mean over its
+        own samples; an expert's all-to-all already summed its ep group's pipelines), as
+        the unsharded all-reduce does. Returns the share's squared norm: summed over the
+        world's ranks, the global norm's square."""
+        for work in [w for f in self.families for w in f.reduce_scatter()]:
+            wait_for(work, self.timeout, "gradient reduce-scatter")
+        if replicas > 1:
+            torch._foreach_div_([f.grad_share for f in self.families], float(replicas))
+        return self.local_sq_norm()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self, step: int, total_norm: torch.Tensor | float) -> float:
+        """Clip by the global norm, update this rank's share, queue the gathers of every
+        rank's weights (`wait_for_weights`), zero the gradients. Nothing here reads the norm
+        on the host."""
+        lr = lr_at(self.cfg, step)
+        self.wait_for_weights()  # the last step's gathers still write the weights the update copies into
+        if self.optimizer is not None:
+            if self.cfg.grad_clip > 0:
+                norm = torch.as_tensor(total_norm, dtype=torch.float32, device=self.families[0].master.device)
+                self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.cfg.grad_clip, min=1.0)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self._host_ema is not None:
+                self._host_ema.fence()
+            self.optimizer.step()
+            self.optimizer.grad_scale = None
+        for f in self.families:
+            f.all_gather_weights()
+        self.zero_grad()
+        return lr
+
+    def zero_grad(self) -> None:
+        for f in self.families:
+            f.grads.zero_()
+            if f.grad_share is not f.grads:
+                f.grad_share.zero_()
+
+    def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Overwrite parameters (and this rank's masters) by checkpoint name; returns the names set."""
+        done = []
+        self.settle_ema()
+        self.wait_for_weights()
+        with torch.no_grad():
+            for family in self.families:
+                for name, p in family.params:
+                    for key, index in self.slices[name]:
+                        if key in tensors:
+                            p[index].copy_(tensors[key])
+                            done.append(key)
+                for seg in family.segments:
+                    if seg.key in tensors:
+                        value = tensors[seg.key].reshape(-1)[seg.start:seg.stop]
+                        family.master[seg.at:seg.at + seg.stop - seg.start].copy_(value)
+                        if self.ema is not None:
+                            self.ema[self.families.index(family)][seg.at:seg.at + seg.stop - seg.start].copy_(value)
+        return done
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
