@@ -33,7 +33,7 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
-def _decays(name: str, p: torch.Tensor) -> bool:
+def decays(name: str, p: torch.Tensor) -> bool:
     # Matrices decay; norm gains do not (the usual AdamW recipe for transformers).
     return p.ndim >= 2
 
@@ -59,8 +59,8 @@ class MasterOptimizer:
                 p.register_post_accumulate_grad_hook(self._accumulate_into(m))
         else:
             self.master = [p for _, p in self.named_params]
-        decay = [m for (n, p), m in zip(self.named_params, self.master) if _decays(n, p)]
-        no_decay = [m for (n, p), m in zip(self.named_params, self.master) if not _decays(n, p)]
+        decay = [m for (n, p), m in zip(self.named_params, self.master) if decays(n, p)]
+        no_decay = [m for (n, p), m in zip(self.named_params, self.master) if not decays(n, p)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -24,7 +24,7 @@ from torch import nn
 
 from raypar.config import TrainConfig
 from raypar.model.experts import named_slices
-from raypar.optim import MasterOptimizer, _decays, is_expert_param, lr_at
+from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
 from raypar.runtime.comm import wait_for
 
 # Every parameter starts at a multiple of this many elements in the flat buffer (grouped
@@ -46,6 +46,10 @@ class Segment:
     stop: int
     at: int
 
+    def of(self, share: torch.Tensor) -> torch.Tensor:
+        """This segment's elements of a share-sized buffer (masters, moments, EMA, gradients)."""
+        return share[self.at:self.at + self.stop - self.start]
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -61,9 +65,10 @@ class Bucket:
 class Family:
     """Parameters replicated over one group, in flat buffers, with this rank's share."""
 
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], slices: dict[str, list[tuple[str, tuple]]],
+    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], slices: dict[str, list[tuple[str, tuple]]],
                  group, bucket_numel: int, mixed: bool, overlap: bool = True) -> None:
-        self.name, self.group, self.mixed, self.overlap = name, group, mixed, overlap
+        """`index`: the family's place in its optimizer's (and its EMA's) lists."""
+        self.index, self.group, self.mixed, self.overlap = index, group, mixed, overlap
         self.ranks = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.params = params
@@ -116,8 +121,7 @@ class Family:
         self.bucket_of = [next(k for k, b in enumerate(self.buckets) if b.start <= off < b.start + b.size)
                           for off in self.offsets]
         self.early = 0  # buckets of the last step queued from inside backward
-        self.shapes = {key: p[index].shape for name, p in params for key, index in slices[name]}
-        self.decays = {key: _decays(name, p) for name, p in params for key, _ in slices[name]}
+        self.decays = {key: decays(name, p) for name, p in params for key, _ in slices[name]}
 
     def _share_of(self, full: torch.Tensor, share: torch.Tensor) -> None:
         """Copy this rank's slices of `full` into `share`."""
@@ -250,8 +254,9 @@ class ShardedOptimizer(MasterOptimizer):
         by_family: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for n, p in self.named_params:
             by_family.setdefault("expert" if is_expert_param(n) else "dense", []).append((n, p))
-        self.families = [Family(f, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap)
-                         for f, params in sorted(by_family.items())]
+        self.families = [Family(i, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap)
+                         for i, (f, params) in enumerate(sorted(by_family.items()))]
+        self._views = {key: p[index] for name, p in self.named_params for key, index in self.slices[name]}
         for family in self.families:
             for i, _ in enumerate(family.params):
                 family.params[i][1].register_post_accumulate_grad_hook(family.accumulate_hook(i))
@@ -264,8 +269,8 @@ class ShardedOptimizer(MasterOptimizer):
         self._state_of: dict[int, tuple[Family, Segment]] = {}
         for family in self.families:
             for seg in family.segments:
-                view = family.master[seg.at:seg.at + seg.stop - seg.start]
-                view.grad = family.grad_share[seg.at:seg.at + seg.stop - seg.start]
+                view = seg.of(family.master)
+                view.grad = seg.of(family.grad_share)
                 (decay if family.decays[seg.key] else no_decay).append(view)
                 self._state_of[id(view)] = (family, seg)
         groups_ = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if ps]
@@ -277,11 +282,10 @@ class ShardedOptimizer(MasterOptimizer):
             for group in self.optimizer.param_groups:
                 for view in group["params"]:
                     family, seg = self._state_of[id(view)]
-                    n = seg.stop - seg.start
                     self.optimizer.state[view] = {
                         "step": torch.zeros((), dtype=torch.float32, device=view.device),
-                        "exp_avg": family.exp_avg[seg.at:seg.at + n],
-                        "exp_avg_sq": family.exp_avg_sq[seg.at:seg.at + n],
+                        "exp_avg": seg.of(family.exp_avg),
+                        "exp_avg_sq": seg.of(family.exp_avg_sq),
                     }
 
     # -- the updated weights' all-gather, waited for where they are read ----------------
@@ -309,8 +313,9 @@ class ShardedOptimizer(MasterOptimizer):
         if rest:
             module.register_forward_pre_hook(self._waiter(sorted({where[i] for i in rest}, key=self._order)))
 
-    def _order(self, pair) -> tuple[int, int]:
-        return self.families.index(pair[0]), pair[1]
+    @staticmethod
+    def _order(pair) -> tuple[int, int]:
+        return pair[0].index, pair[1]
 
     def _waiter(self, pairs):
         def hook(module, args) -> None:
@@ -417,24 +422,34 @@ class ShardedOptimizer(MasterOptimizer):
             if f.grad_share is not f.grads:
                 f.grad_share.zero_()
 
+    def set_weight(self, key: str, whole: torch.Tensor) -> None:
+        """Set checkpoint tensor `key` from its whole value: the weights, and this rank's
+        share of its masters (the EMA is the caller's)."""
+        self._views[key].copy_(whole)
+        flat = whole.reshape(-1)
+        for family, seg, _ in self.segments_by_key().get(key, []):
+            seg.of(family.master).copy_(flat[seg.start:seg.stop])
+
+    def segments_by_key(self) -> dict[str, list]:
+        """`segment_states` by checkpoint name."""
+        out: dict[str, list] = {}
+        for family, seg, state in self.segment_states():
+            out.setdefault(seg.key, []).append((family, seg, state))
+        return out
+
     def load_(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Overwrite parameters (and this rank's masters) by checkpoint name; returns the names set."""
-        done = []
+        """Overwrite parameters (and this rank's masters) by checkpoint name; new weights
+        restart the EMA. Returns the names set."""
         self.settle_ema()
         self.wait_for_weights()
+        done = [key for key in self._views if key in tensors]
+        by_key = self.segments_by_key()
         with torch.no_grad():
-            for family in self.families:
-                for name, p in family.params:
-                    for key, index in self.slices[name]:
-                        if key in tensors:
-                            p[index].copy_(tensors[key])
-                            done.append(key)
-                for seg in family.segments:
-                    if seg.key in tensors:
-                        value = tensors[seg.key].reshape(-1)[seg.start:seg.stop]
-                        family.master[seg.at:seg.at + seg.stop - seg.start].copy_(value)
-                        if self.ema is not None:
-                            self.ema[self.families.index(family)][seg.at:seg.at + seg.stop - seg.start].copy_(value)
+            for key in done:
+                self.set_weight(key, tensors[key])
+                if self.ema is not None:
+                    for family, seg, _ in by_key.get(key, []):
+                        seg.of(self.ema[family.index]).copy_(seg.of(family.master))
         return done
 
 

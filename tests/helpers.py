@@ -108,6 +108,26 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
     return step_loss(reports), grads, ref_loss, ref_grads, reports
 
 
+def assert_step_matches(group, ref: ReferenceTrainer, dataset: TokenDataset, order: SampleOrder, step: int,
+                        schedule: str, microbatches: int, tol) -> tuple[list, float]:
+    """One step on both sides, then: the loss, every gradient and the weights after it within
+    `tol` of the reference's; the first stage of every pipeline reports the whole model's
+    norm, the others none. Returns the reports and the reference's gradient norm."""
+    loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, microbatches,
+                                                          tol=tol)
+    where = f"step {step} ({schedule}, {microbatches} micro-batches)"
+    assert abs(loss - ref_loss) <= tol.loss, f"{where}: loss {loss} vs {ref_loss}"
+    assert_same(grads, ref_grads, tol.grads, where)
+    ref_norm = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
+    for r in reports:
+        if r.stage == 0:
+            assert abs(r.grad_norm - ref_norm) <= tol.grad_norm, f"{where}, rank {r.rank}"
+        else:
+            assert r.grad_norm is None, f"{where}, rank {r.rank}"
+    tol.check_weights(group.parameters(), ref.parameters(), where)
+    return reports, ref_norm
+
+
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: dict[str, torch.Tensor],
                 where: str) -> None:
     """Same names, and every element within its bound (tests/tolerances.py) of the reference's."""

@@ -1,11 +1,10 @@
 """Pipelined training equals the single-process model: loss, every gradient, weights."""
 import pytest
-import torch
 
 from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
 
-from helpers import assert_same, start_group, step_both, synthetic_data, tiny_config
+from helpers import assert_same, assert_step_matches, start_group, step_both, synthetic_data, tiny_config
 from tolerances import Tolerances
 
 # Each grid runs every (schedule, micro-batches) pair once, one optimizer step each, so the
@@ -37,19 +36,7 @@ def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
     group = start_group(cfg, dataset)
     try:
         for step, (schedule, m) in enumerate(PLAN):
-            loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m,
-                                                                  tol=tol)
-            where = f"step {step} ({schedule}, {m} micro-batches)"
-            assert abs(loss - ref_loss) <= tol.loss, f"{where}: loss {loss} vs {ref_loss}"
-            assert_same(grads, ref_grads, tol.grads, where)
-            # The first stage of every pipeline reports the whole model's norm; the others none.
-            ref_norm = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
-            for r in reports:
-                if r.stage == 0:
-                    assert abs(r.grad_norm - ref_norm) <= tol.grad_norm, f"{where}, rank {r.rank}"
-                else:
-                    assert r.grad_norm is None, f"{where}, rank {r.rank}"
-            tol.check_weights(group.parameters(), ref.parameters(), where)
+            assert_step_matches(group, ref, dataset, order, step, schedule, m, tol)
     finally:
         group.shutdown()
 

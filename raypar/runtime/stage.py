@@ -149,6 +149,7 @@ class StageRuntime:
                                               timeout=self.timeout)
         else:
             self.optimizer = MasterOptimizer(self.model, cfg.train)
+        self._optimizer_bytes = self.optimizer.state_bytes()  # fixed for the stage's life
         if cfg.checkpoint.ema_decay > 0:
             # From the initial weights; a checkpoint load replaces it.
             self.optimizer.enable_ema(on_host=cfg.checkpoint.ema_on_host)
@@ -298,7 +299,7 @@ class StageRuntime:
             peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
             peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, optimizer_bytes=self.optimizer.state_bytes(),
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, optimizer_bytes=self._optimizer_bytes,
             buckets=buckets, buckets_early=early,
             grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,

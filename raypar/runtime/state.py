@@ -88,11 +88,10 @@ def _sharded_tensors(optimizer: ShardedOptimizer, coord: Coord | None, save_opti
     out = {key: view.detach() for key, view in _named_views(optimizer) if coord is None or writes(coord, key)}
     emas = emas or optimizer.ema
     for family, seg, state in optimizer.segment_states():
-        at, n = seg.at, seg.stop - seg.start
         if optimizer.mixed and save_master:
-            out[piece_name(f"master.{seg.key}", seg.start)] = family.master[at:at + n]
+            out[piece_name(f"master.{seg.key}", seg.start)] = seg.of(family.master)
         if emas is not None:
-            out[piece_name(f"ema.{seg.key}", seg.start)] = emas[optimizer.families.index(family)][at:at + n]
+            out[piece_name(f"ema.{seg.key}", seg.start)] = seg.of(emas[family.index])
         if save_optimizer:
             for key in ("exp_avg", "exp_avg_sq"):
                 out[piece_name(f"optim.{key}.{seg.key}", seg.start)] = state[key]
@@ -269,10 +268,8 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
     from it), this rank's ranges of the moments and EMA."""
     optimizer.wait_for_weights()  # no gather may write the weights after the load
     shapes = _key_shapes(optimizer)
-    by_key: dict[str, list] = {}
-    for family, seg, state in optimizer.segment_states():
-        by_key.setdefault(seg.key, []).append((family, seg, state))
-    keys = [key for name, _ in optimizer.named_params for key, _ in optimizer.slices[name]]
+    by_key = optimizer.segments_by_key()
+    keys = list(shapes)
     reads, missing = [], []
     for key in keys:
         if key not in names:
@@ -289,19 +286,14 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
             elif key not in missing:
                 missing.append(key)
     values = read_ahead(lambda call: call(), reads, threads)
-    params = dict(_named_views(optimizer))
     with torch.no_grad():
         for key in keys:
-            whole = next(values).reshape(shapes[key])
-            params[key].copy_(whole)
+            # The weight is read whole: the masters' share is a slice of it.
+            optimizer.set_weight(key, next(values).reshape(shapes[key]))
             for family, seg, state in by_key.get(key, []):
-                at, n = seg.at, seg.stop - seg.start
-                master = family.master[at:at + n]
-                # The weight was just read whole: the masters' share is a slice of it.
-                master.copy_(whole.reshape(-1)[seg.start:seg.stop])
                 if optimizer.ema is not None:
-                    ema = optimizer.ema[optimizer.families.index(family)][at:at + n]
-                    ema.copy_(next(values) if f"ema.{key}" in names else master)
+                    seg.of(optimizer.ema[family.index]).copy_(
+                        next(values) if f"ema.{key}" in names else seg.of(family.master))
                 if f"optim.exp_avg.{key}" in names:
                     state["exp_avg"].copy_(next(values))
                     state["exp_avg_sq"].copy_(next(values))
