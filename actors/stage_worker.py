@@ -17,6 +17,7 @@ from raypar import host_wait, kernels
 from raypar.checkpoint.pieces import FlatPieces, split_piece_name
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
+from raypar.data.source import open_corpus
 from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.runtime.profile import profiled
@@ -111,7 +112,7 @@ class StageWorker:
 
         shapes = snapshot_shapes_for_any_stage(self.cfg, self.grid)  # also imports what building needs
         if self._dataset is None:
-            self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
+            self._dataset = open_corpus(self.cfg, self.data_path)
         if self.device.type == "cuda":
             kernels.set_enabled(self.cfg.runtime.kernels)
             # A borrowing standby does not know whose GPU it will take: it readies every one
@@ -169,7 +170,7 @@ class StageWorker:
         coord = self.grid.coord(self.rank)
         needs_data = coord.pp in (0, self.grid.pp - 1)
         if needs_data and self._dataset is None:
-            self._dataset = TokenDataset(self.data_path, self.cfg.data.seq_len)
+            self._dataset = open_corpus(self.cfg, self.data_path)
         dataset = self._dataset if needs_data else None
         torch.manual_seed(self.cfg.train.seed)
         kernels.set_enabled(self.cfg.runtime.kernels)
@@ -365,6 +366,7 @@ class StageWorker:
             host_wait.clear()
         self.recent.freeze()  # what a recovery from memory will ask for and fetch
         if self.runtime is not None:
+            self.runtime.close()
             self._snapshot_buffers = self.runtime.snapshot.release()
         self.runtime = None
         self.program_version = 0

@@ -142,6 +142,18 @@ def read_bytes(path: Location, offset: int = 0, length: int | None = None) -> by
         return f.read_at(length, offset)
 
 
+def open_input(path: Location, memory_map: bool = False):
+    """A pyarrow random-access file for `path`: local files are read with positioned reads
+    (or memory-mapped: their pages are then the OS's cache, counted in the process's
+    resident memory while mapped), files in a store with ranged requests."""
+    import pyarrow as pa
+
+    if not is_uri(path):
+        return pa.memory_map(str(local(path)), "r") if memory_map else pa.OSFile(str(local(path)), "r")
+    fs, inner = _remote(path)
+    return fs.open_input_file(inner)
+
+
 def write(path: Location, fill: Callable[[BinaryIO], None]) -> None:
     """Have `fill` write the file at `path` so that readers see the whole file or none:
     locally a temporary sibling, fsync'd and renamed over (`write_local`); on a store one

@@ -101,10 +101,19 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # Parquet token file or folder; None: synthetic corpus in the run dir
+    path: str | None = None  # token file or folder (Parquet, a datasets folder), local or a URI (s3://...); None: synthetic corpus in the run dir
     seq_len: int = 32  # tokens per sample (the file holds seq_len + 1 per row)
     shuffle: bool = True  # a new seeded permutation of the samples every epoch
     synthetic_samples: int = 4096  # size of the generated corpus when data.path is unset
+    # Most megabytes of the corpus's blocks (Parquet row groups) a process keeps after
+    # reading them; the corpus itself is streamed, never held whole.
+    window_mb: float = 256.0
+    # Workers that read data load the next step's batch on a background thread into pinned
+    # memory while the current step runs; off: each step reads its batch as it starts.
+    prefetch: bool = True
+    # "bytes" or a local tokenizer.json (or its folder): the run refuses a corpus that
+    # `prepare-data` made with another tokenizer. None: not checked.
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -442,6 +451,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
+    if d.window_mb <= 0:
+        raise ConfigError(f"data.window_mb={d.window_mb} must be > 0 (megabytes of the corpus a process keeps)")
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if p.grad_bucket_mb <= 0:

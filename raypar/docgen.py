@@ -40,7 +40,7 @@ SECTION_INTROS: dict[str, str] = {
     "parallel": "The `dp x pp x ep` grid of stage workers and the pipeline schedule. "
                 "See [concepts](concepts.md#the-grid).",
     "train": "Optimizer, learning-rate schedule, batch size and seed.",
-    "data": "Token data. See [concepts](concepts.md#data-order).",
+    "data": "Token data: where the corpus is, how much of it a process keeps, prefetch. See [concepts](concepts.md#data-streamed-prefetched-in-a-fixed-order).",
     "runtime": "Ray, devices, memory release and recompute, timeouts, outputs and metrics. "
                "See [operations](operations.md).",
     "checkpoint": "Saving checkpoints during training, and resuming from them. "

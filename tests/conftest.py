@@ -1,4 +1,8 @@
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -26,3 +30,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_port():
+    """A moto S3 server of this module's own on the loopback address, with a bucket `raypar`."""
+    import pyarrow.fs as pafs
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start on the loopback address")
+                time.sleep(0.2)
+        fs, _ = pafs.FileSystem.from_uri(f"s3://testing:testing@raypar?{s3_query(port)}&allow_bucket_creation=true")
+        fs.create_dir("raypar")
+        yield port
+    finally:
+        server.kill()
+        server.wait()
+
+
+def s3_query(port: int) -> str:
+    return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+
+
+@pytest.fixture(scope="module")
+def s3_root(moto_port):
+    """URIs in the bucket; each carries the endpoint and the credentials."""
+    return lambda prefix: f"s3://testing:testing@raypar/{prefix}?{s3_query(moto_port)}"

@@ -46,8 +46,8 @@ def run_config(tmp_path, name: str, grid: tuple[int, int, int], steps: int, mode
     return tiny_config(
         tmp_path / name, model=model or {},
         parallel={"dp": dp, "pp": pp, "ep": ep, "microbatches": 2, **sections.pop("parallel", {})},
-        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6},
-        data={"path": str(tmp_path / "data.parquet")},
+        train={"steps": steps, "global_batch_size": 8, "eps": 1e-6, **sections.pop("train", {})},
+        data={"path": str(tmp_path / "data.parquet"), **sections.pop("data", {})},
         **{**sections, "checkpoint": {"dir": str(tmp_path / name / "ckpt"), **sections.get("checkpoint", {})}},
     )
 

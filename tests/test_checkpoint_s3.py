@@ -1,7 +1,6 @@
 """Checkpoints on an S3-protocol object store: moto's server, started here on the loopback
 address, through pyarrow.fs. Training saves, lists, rotates and resumes (on another grid)
 there; a process killed mid-upload leaves nothing listed."""
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,49 +11,8 @@ import pytest
 from raypar.checkpoint import checkpoint_dir, list_committed, storage
 from raypar.driver.trainer import Trainer
 
+from conftest import s3_query
 from helpers import run_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_port():
-    """A moto S3 server of this module's own on the loopback address, with a bucket `raypar`."""
-    import pyarrow.fs as pafs
-
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not start on the loopback address")
-                time.sleep(0.2)
-        fs, _ = pafs.FileSystem.from_uri(f"s3://testing:testing@raypar?{_query(port)}&allow_bucket_creation=true")
-        fs.create_dir("raypar")
-        yield port
-    finally:
-        server.kill()
-        server.wait()
-
-
-def _query(port: int) -> str:
-    return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-
-
-@pytest.fixture(scope="module")
-def s3_root(moto_port):
-    """URIs in the bucket; each carries the endpoint and the credentials."""
-    return lambda prefix: f"s3://testing:testing@raypar/{prefix}?{_query(moto_port)}"
 
 
 @pytest.fixture
@@ -63,7 +21,7 @@ def gate(moto_port):
     from s3_gate import S3Gate
 
     gate = S3Gate(moto_port)
-    gate.root = lambda prefix: f"s3://testing:testing@raypar/{prefix}?{_query(gate.port)}"
+    gate.root = lambda prefix: f"s3://testing:testing@raypar/{prefix}?{s3_query(gate.port)}"
     yield gate
     gate.close()
 

@@ -88,7 +88,7 @@ def test_directory_of_files_sorted_by_name(tmp_path: pathlib.Path) -> None:
     assert len(ds) == 6
     inputs, _ = ds.get(range(6))
     assert inputs[:, 0].tolist() == [1, 1, 2, 2, 2, 3]
-    assert ds.vocab_size == 4  # no metadata: max token + 1
+    assert ds.vocab_size is None  # none declared: ids are checked as blocks are read
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,6 @@ def test_accepted_column_types(tmp_path: pathlib.Path, typ: pa.DataType) -> None
     inputs, labels = ds.get([3])
     assert inputs[0].tolist() == rows[3][:-1]
     assert labels[0].tolist() == rows[3][1:]
-    assert ds.vocab_size == 3 + SEQ + 1
 
 
 def test_multiple_row_groups(tmp_path: pathlib.Path) -> None:
@@ -147,26 +146,36 @@ def test_wrong_column_type(tmp_path: pathlib.Path) -> None:
         TokenDataset(path, SEQ)
 
 
-def test_wrong_row_length(corpus: pathlib.Path) -> None:
+def test_wrong_seq_len(corpus: pathlib.Path) -> None:
+    # Declared in the file: refused at open, before any block is read.
     with pytest.raises(DataError) as e:
         TokenDataset(corpus, SEQ + 4)
+    msg = str(e.value)
+    assert f"written with seq_len={SEQ} but data.seq_len is {SEQ + 4}" in msg
+    assert f"--seq-len {SEQ + 4}" in msg
+
+
+def test_wrong_row_length_undeclared(tmp_path: pathlib.Path) -> None:
+    ds = TokenDataset(_write_rows(tmp_path / "t.parquet", [[0] * (SEQ + 1)] * 2), SEQ + 4)
+    with pytest.raises(DataError) as e:
+        ds.get([1])
     msg = str(e.value)
     assert f"expected seq_len + 1 = {SEQ + 5}" in msg
     assert f"has {SEQ + 1} tokens" in msg
     assert "data.seq_len must match the file" in msg
-    assert f"written with seq_len={SEQ}" in msg
 
 
 def test_ragged_rows(tmp_path: pathlib.Path) -> None:
     rows = [[0] * (SEQ + 1), [0] * (SEQ + 1), [0] * SEQ]
+    ds = TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
     with pytest.raises(DataError, match=rf"row 2 has {SEQ} tokens but expected seq_len \+ 1 = {SEQ + 1}"):
-        TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
+        ds.get([0])
 
 
 def test_wrong_fixed_size(tmp_path: pathlib.Path) -> None:
     path = _write_rows(tmp_path / "t.parquet", [[0] * SEQ], typ=pa.list_(pa.int32(), SEQ))
     with pytest.raises(DataError, match=rf"expected seq_len \+ 1 = {SEQ + 1}"):
-        TokenDataset(path, SEQ)
+        TokenDataset(path, SEQ).get([0])
 
 
 def test_empty_dataset(tmp_path: pathlib.Path) -> None:
@@ -187,20 +196,22 @@ def test_not_parquet(tmp_path: pathlib.Path) -> None:
 def test_negative_tokens(tmp_path: pathlib.Path) -> None:
     rows = [[1] * (SEQ + 1), [1] * SEQ + [-5]]
     with pytest.raises(DataError, match="row 1 holds negative token id -5"):
-        TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
+        TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ).get([0])
 
 
 def test_null_row(tmp_path: pathlib.Path) -> None:
     rows = [[1] * (SEQ + 1), None]
     with pytest.raises(DataError, match="row 1 .* is null"):
-        TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
+        TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ).get([0])
 
 
 def test_declared_vocab_too_small(tmp_path: pathlib.Path) -> None:
     rows = [[9] * (SEQ + 1)]
     path = _write_rows(tmp_path / "t.parquet", rows, metadata={b"raypar.vocab_size": b"8"})
-    with pytest.raises(DataError, match="declares vocab_size 8 but holds token id 9"):
-        TokenDataset(path, SEQ)
+    ds = TokenDataset(path, SEQ)
+    assert ds.vocab_size == 8
+    with pytest.raises(DataError, match="declares vocab_size 8 but row 0 holds token id 9"):
+        ds.get([0])
 
 
 def test_index_out_of_range(corpus: pathlib.Path) -> None:
@@ -214,10 +225,12 @@ def test_index_out_of_range(corpus: pathlib.Path) -> None:
 def test_check_vocab(tmp_path: pathlib.Path) -> None:
     rows = [[300] + [1] * SEQ]
     ds = TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
-    assert ds.vocab_size == 301
     ds.check_vocab(301)
-    with pytest.raises(DataError, match="data holds token id 300 but model.vocab_size is 256"):
-        ds.check_vocab(256)
+    ds.get([0])
+    fresh = TokenDataset(_write_rows(tmp_path / "t.parquet", rows), SEQ)
+    fresh.check_vocab(256)  # nothing declared: the read refuses, naming the row
+    with pytest.raises(DataError, match="row 0 holds token id 300 but model.vocab_size is 256"):
+        fresh.get([0])
 
 
 # --- SampleOrder ------------------------------------------------------------------

@@ -69,7 +69,8 @@ def test_standalone_serves_step_metrics(exporter):
 
 def test_exported_families_match_the_catalog(exporter):
     rec = record(0, expert_tokens={"1": [5, 7], "3": [6, 6]}, tokens_dropped=2, alltoall_bytes=1024,
-                 checkpoint_stall_s=0.01, optimizer_bytes=[3 << 20, 2 << 20], reduce_s=0.004, optimizer_s=0.002)
+                 checkpoint_stall_s=0.01, optimizer_bytes=[3 << 20, 2 << 20], reduce_s=0.004, optimizer_s=0.002,
+                 data_wait_s=0.003, data_window_bytes=[5 << 20, 4 << 20])
     rec.stage_times = [WorkerTimes(0, 0, 0, 0.01, 0.02, 0.003), WorkerTimes(1, 0, 0, 0.01, 0.02, 0.001)]
     rec.alltoall_s = 0.001
     exporter(rec)
@@ -79,6 +80,8 @@ def test_exported_families_match_the_catalog(exporter):
     s = scrape(exporter.port)
     assert value(s, "raypar_stage_optimizer_state_bytes", run="t", stage="1") == 2 << 20
     assert value(s, "raypar_gradient_reduction_seconds", run="t") == pytest.approx(0.004)
+    assert value(s, "raypar_data_wait_seconds", run="t") == pytest.approx(0.003)
+    assert value(s, "raypar_stage_data_window_bytes", run="t", stage="1") == 4 << 20
     for spec in CATALOG:
         name = spec.name + ("_count" if spec.kind == "histogram" else "")
         assert name in s, f"{spec.name} was not exported"

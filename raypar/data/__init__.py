@@ -1,4 +1,5 @@
-"""Token data: Parquet-backed samples, a deterministic sample order, synthetic corpora."""
+"""Token data: corpora streamed from Parquet or Arrow files, a deterministic sample order,
+prefetch off the step's path, corpus preparation, synthetic corpora."""
 from __future__ import annotations
 
 from raypar.data.dataset import DataError, TokenDataset

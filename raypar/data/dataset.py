@@ -1,224 +1,194 @@
-"""Fixed-length token samples read from Parquet into one in-memory array.
+"""Fixed-length token samples streamed from a corpus of any size.
 
-The whole corpus is held as a single contiguous int32 numpy array so that a
-batch is one fancy-index away; the training corpora this runtime targets fit
-comfortably in host memory, and avoiding per-batch Parquet reads keeps the
-data path off the critical path of the pipeline.
+A corpus is a Parquet file, a folder of them (with the `manifest.json` that
+`prepare-data` writes, or without), or a Hugging Face `datasets` folder of Arrow
+files, on a local disk or in any store `pyarrow.fs` opens (``s3://bucket/prefix``).
+Opening one reads the manifest or the files' footers: an index from sample id to
+file and block (a Parquet row group), never the tokens. A batch reads the blocks
+its samples sit in; the blocks read last stay in a window of bounded size
+(`data.window_mb`), so no process holds more of the corpus than that.
 """
 from __future__ import annotations
 
-import os
-import pathlib
+import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
-__all__ = ["DataError", "TokenDataset", "TOKENS_COLUMN", "META_VOCAB_SIZE", "META_SEQ_LEN"]
+from raypar.checkpoint import storage
+from raypar.data.manifest import MANIFEST_NAME, CorpusManifest
+from raypar.data.shards import (META_SEQ_LEN, META_TOKENIZER_FINGERPRINT, META_VOCAB_SIZE, TOKENS_COLUMN, DataError,
+                                Shard, open_shard)
 
-TOKENS_COLUMN = "tokens"
-META_VOCAB_SIZE = b"raypar.vocab_size"
-META_SEQ_LEN = b"raypar.seq_len"
+__all__ = ["DataError", "TokenDataset", "TOKENS_COLUMN", "META_VOCAB_SIZE", "META_SEQ_LEN",
+           "META_TOKENIZER_FINGERPRINT", "DEFAULT_WINDOW_BYTES"]
 
-_INT32_MAX = np.iinfo(np.int32).max
-
-
-class DataError(ValueError):
-    """The training data is missing, malformed or inconsistent with the config."""
+DEFAULT_WINDOW_BYTES = 256 * 2**20
+# Open file handles kept at once: a corpus of thousands of shards must not exhaust them.
+_OPEN_SHARDS = 64
 
 
-def _resolve_files(path: pathlib.Path) -> list[pathlib.Path]:
-    if not path.exists():
-        raise DataError(
-            f"data file not found: {path}. Set data.path to a Parquet token file "
-            "(write one with `raypar prepare-data --synthetic OUT`), or leave data.path "
-            "unset to generate a synthetic corpus in the run directory."
-        )
-    if path.is_file():
-        return [path]
+def _is_data_file(name: str, suffix: str) -> bool:
     # Hidden and underscore-prefixed names are writer scratch (our own atomic-write
     # temp files, Spark's _SUCCESS/_metadata); reading them would double-count rows.
-    files = sorted(
-        p for p in path.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
-    )
-    if not files:
-        raise DataError(
-            f"no *.parquet files in data directory {path}. Point data.path at a Parquet "
-            "token file or a directory of them."
-        )
+    return name.endswith(suffix) and not name.startswith((".", "_"))
+
+
+def _hf_data_files(path: storage.Location) -> list[str] | None:
+    """The Arrow files of a Hugging Face `datasets` folder, in its own order (state.json)."""
+    import json
+
+    state = storage.join(path, "state.json")
+    if not storage.is_file(state):
+        return None
+    try:
+        files = [f["filename"] for f in json.loads(storage.read_bytes(state))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{storage.redact(str(state))} is not a `datasets` state file ({exc})") from None
     return files
 
 
-def _open(file: pathlib.Path) -> pq.ParquetFile:
-    try:
-        return pq.ParquetFile(file)
-    except (pa.ArrowException, OSError) as exc:
+def _resolve(path: storage.Location, seq_len: int) -> tuple[list[Shard], CorpusManifest | None]:
+    shown = storage.redact(str(path))
+    if storage.is_file(path):
+        return [open_shard(path, seq_len)], None
+    if not storage.is_dir(path):
         raise DataError(
-            f"{file} is not a readable Parquet file ({exc}). data.path must point to a "
-            "Parquet file with a `tokens` column (see `raypar prepare-data`)."
-        ) from exc
-
-
-def _declared_int(meta: dict[bytes, bytes] | None, key: bytes, file: pathlib.Path) -> int | None:
-    if not meta or key not in meta:
-        return None
-    raw = meta[key]
-    try:
-        return int(raw)
-    except ValueError:
-        raise DataError(
-            f"{file}: schema metadata {key.decode()}={raw!r} is not an integer"
-        ) from None
-
-
-def _check_schema(file: pathlib.Path, pf: pq.ParquetFile) -> None:
-    schema = pf.schema_arrow
-    if TOKENS_COLUMN not in schema.names:
-        raise DataError(
-            f"{file} has no `{TOKENS_COLUMN}` column (columns found: {schema.names}). "
-            f"Token files need a `{TOKENS_COLUMN}` column holding one list of ints per sample."
+            f"data file not found: {shown}. Set data.path to a Parquet token file or folder "
+            "(write one with `raypar prepare-data --synthetic OUT`), or leave data.path "
+            "unset to generate a synthetic corpus in the run directory."
         )
-    typ = schema.field(TOKENS_COLUMN).type
-    is_list = (
-        pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
-    )
-    if not is_list or not pa.types.is_integer(typ.value_type):
-        raise DataError(
-            f"{file}: column `{TOKENS_COLUMN}` has type {typ}; expected a list of integers "
-            "(list<int32>, list<int64>, large_list or fixed_size_list)."
-        )
+    manifest_path = storage.join(path, MANIFEST_NAME)
+    if storage.is_file(manifest_path):
+        manifest = CorpusManifest.from_json(storage.read_bytes(manifest_path).decode(), storage.redact(str(manifest_path)))
+        return [open_shard(storage.join(path, s.path), seq_len, s.samples) for s in manifest.shards], manifest
+    hf = _hf_data_files(path)
+    if hf is not None:
+        return [open_shard(storage.join(path, f), seq_len) for f in hf], None
+    names = sorted(n for n, is_dir in storage.list_dir(path) if not is_dir)
+    for suffix in (".parquet", ".arrow"):
+        files = [n for n in names if _is_data_file(n, suffix)]
+        if files:
+            return [open_shard(storage.join(path, n), seq_len) for n in files], None
+    raise DataError(f"no *.parquet files in data directory {shown}. Point data.path at a Parquet "
+                    "token file or a directory of them.")
 
 
-def _row_length_error(
-    file: pathlib.Path, row: int, found: int, seq_len: int, declared: int | None
-) -> DataError:
-    hint = f" (the file was written with seq_len={declared})" if declared is not None else ""
-    return DataError(
-        f"{file}: row {row} has {found} tokens but expected seq_len + 1 = {seq_len + 1}"
-        f"{hint}; data.seq_len must match the file."
-    )
+class _Window:
+    """The blocks read last, up to a number of bytes; the oldest go first."""
 
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.reads = 0  # blocks read from the files
 
-def _chunk_to_numpy(
-    chunk: pa.Array, file: pathlib.Path, first_row: int, seq_len: int, declared_seq: int | None
-) -> np.ndarray:
-    """Validate one Arrow chunk and return it as an int32 [rows, seq_len + 1] array."""
-    width = seq_len + 1
-    if chunk.null_count:
-        row = first_row + int(np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False))[0])
-        raise DataError(f"{file}: row {row} of `{TOKENS_COLUMN}` is null")
-    if pa.types.is_fixed_size_list(chunk.type):
-        if chunk.type.list_size != width:
-            raise _row_length_error(file, first_row, chunk.type.list_size, seq_len, declared_seq)
-    else:
-        lengths = pc.list_value_length(chunk).to_numpy()
-        bad = np.flatnonzero(lengths != width)
-        if bad.size:
-            i = int(bad[0])
-            raise _row_length_error(file, first_row + i, int(lengths[i]), seq_len, declared_seq)
-    # list_flatten honours slice offsets, unlike `.values`.
-    values = pc.list_flatten(chunk)
-    if values.null_count:
-        raise DataError(f"{file}: `{TOKENS_COLUMN}` holds null token ids near row {first_row}")
-    flat = values.to_numpy()
-    if flat.size:
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < 0:
-            row = first_row + int(np.flatnonzero(flat < 0)[0]) // width
-            raise DataError(f"{file}: row {row} holds negative token id {lo}; token ids must be >= 0")
-        if hi > _INT32_MAX:
-            raise DataError(f"{file}: token id {hi} does not fit in int32")
-    return flat.astype(np.int32, copy=False).reshape(-1, width)
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+        return block
+
+    def put(self, key: tuple[int, int], block: np.ndarray) -> bool:
+        """Keep `block`; False when it alone is larger than the window (used for one batch only)."""
+        self.reads += 1
+        if block.nbytes > self.max_bytes:
+            return False
+        self._blocks[key] = block
+        self.bytes += block.nbytes
+        while self.bytes > self.max_bytes:
+            _, old = self._blocks.popitem(last=False)
+            self.bytes -= old.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return True
 
 
 class TokenDataset:
-    """Fixed-length token samples stored in Parquet.
+    """Fixed-length token samples, column ``tokens`` (or ``input_ids``): one row per sample,
+    each a list of ``seq_len + 1`` ints; inputs are ``tokens[:-1]`` and labels ``tokens[1:]``.
+    Sample ids run over the files in order (a folder's files in name order, or its
+    manifest's). Safe to call from several threads (the step and its prefetch)."""
 
-    Column ``tokens``, one row per sample, each a list of ``seq_len + 1`` ints;
-    inputs are ``tokens[:-1]`` and labels ``tokens[1:]``. ``path`` may be a single
-    Parquet file or a directory whose ``*.parquet`` files are concatenated in name
-    order.
-    """
-
-    vocab_size: int
-    seq_len: int
-
-    def __init__(self, path: str | os.PathLike, seq_len: int):
+    def __init__(self, path: storage.Location, seq_len: int, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
-        self.path = pathlib.Path(path)
+        if window_bytes < 1:
+            raise DataError(f"data.window_mb must be > 0, got {window_bytes / 2**20}")
+        self.path = path if storage.is_uri(path) else Path(storage.local(path))
         self.seq_len = int(seq_len)
-        files = _resolve_files(self.path)
-
-        # Validate every schema before reading any data, so a bad file late in a
-        # directory fails in milliseconds rather than after loading the rest.
-        opened: list[tuple[pathlib.Path, pq.ParquetFile]] = []
-        for f in files:
-            pf = _open(f)
-            _check_schema(f, pf)
-            opened.append((f, pf))
-
-        total = sum(pf.metadata.num_rows for _, pf in opened)
-        if total == 0:
-            raise DataError(
-                f"data at {self.path} holds no samples; write a corpus with "
-                "`raypar prepare-data --synthetic OUT` or point data.path at a non-empty file."
-            )
-
-        # Preallocating from the footer row counts keeps peak memory at one copy
-        # of the corpus instead of per-file arrays plus their concatenation.
-        tokens = np.empty((total, self.seq_len + 1), dtype=np.int32)
-        declared_vocab: list[int] = []
-        any_undeclared = False
-        row = 0
-        for f, pf in opened:
-            meta = pf.schema_arrow.metadata
-            file_vocab = _declared_int(meta, META_VOCAB_SIZE, f)
-            file_seq = _declared_int(meta, META_SEQ_LEN, f)
-            file_start = row
-            try:
-                column = pf.read(columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN)
-            except (pa.ArrowException, OSError) as exc:
-                raise DataError(f"failed to read Parquet file {f}: {exc}") from exc
-            for chunk in column.chunks:
-                arr = _chunk_to_numpy(chunk, f, row, self.seq_len, file_seq)
-                tokens[row : row + len(arr)] = arr
-                row += len(arr)
-            if file_vocab is None:
-                any_undeclared = True
-            else:
-                file_max = int(tokens[file_start:row].max()) if row > file_start else -1
-                if file_max >= file_vocab:
-                    raise DataError(
-                        f"{f}: declares vocab_size {file_vocab} but holds token id {file_max}"
-                    )
-                declared_vocab.append(file_vocab)
-        if row != total:  # footer and data disagree: the file is corrupt
-            raise DataError(f"data at {self.path}: footer promised {total} rows, read {row}")
-
-        self._tokens = tokens
-        self._max_token = int(tokens.max())
-        inferred = [self._max_token + 1] if any_undeclared else []
-        self.vocab_size = max(declared_vocab + inferred)
-
-    def __len__(self) -> int:
-        return self._tokens.shape[0]
+        self.shards, self.manifest = _resolve(self.path, self.seq_len)
+        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
+        for shard in self.shards:  # counted; reopened when read, a bounded number at a time
+            shard.close()
+        if counts.sum() == 0:
+            raise DataError(f"data at {self.shown} holds no samples; write a corpus with "
+                            "`raypar prepare-data --synthetic OUT` or point data.path at a non-empty file.")
+        self._starts = np.concatenate([[0], np.cumsum(counts)])
+        self._check_declared_seq_len()
+        self._window = _Window(window_bytes)
+        self._open: OrderedDict[int, None] = OrderedDict()
+        self._vocab_limit: int | None = None
+        self._warned = False
+        self._lock = threading.Lock()
 
     @property
-    def max_token(self) -> int:
-        """Largest token id present in the data."""
-        return self._max_token
+    def shown(self) -> str:
+        return storage.redact(str(self.path))
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary the corpus declares (its manifest, or the largest its files declare);
+        None when it declares none."""
+        if self.manifest is not None:
+            return self.manifest.vocab_size
+        declared = [s.declared_vocab for s in self.shards if s.is_open and s.declared_vocab is not None]
+        return max(declared) if declared else None
+
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        if self.manifest is not None:
+            return self.manifest.tokenizer_fingerprint
+        return self.shards[0].fingerprint if self.shards[0].is_open else None
+
+    @property
+    def window(self) -> _Window:
+        return self._window
+
+    def _check_declared_seq_len(self) -> None:
+        if self.manifest is not None:
+            declared = self.manifest.seq_len
+        else:
+            declared = next((s.declared_seq_len for s in self.shards if s.is_open and s.declared_seq_len is not None),
+                            None)
+        if declared is not None and declared != self.seq_len:
+            raise DataError(f"the corpus at {self.shown} was written with seq_len={declared} but data.seq_len is "
+                            f"{self.seq_len}; data.seq_len must match the corpus (or write it again with "
+                            f"`raypar prepare-data --seq-len {self.seq_len}`)")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise DataError if the data holds token ids the model cannot embed."""
-        if self._max_token >= vocab_size:
-            raise DataError(
-                f"data holds token id {self._max_token} but model.vocab_size is {vocab_size}; "
-                f"set model.vocab_size to at least {self._max_token + 1} or use matching data."
-            )
+        """Refuse token ids the model cannot embed: now where the corpus says which ids it holds,
+        else as each block is read."""
+        self._vocab_limit = int(vocab_size)
+        top = self.manifest.max_token if self.manifest is not None else None
+        if top is not None and top >= vocab_size:
+            raise DataError(f"data holds token id {top} but model.vocab_size is {vocab_size}; set "
+                            f"model.vocab_size to at least {top + 1} or use matching data.")
+
+    def check_tokenizer(self, fingerprint: str) -> None:
+        """Refuse a corpus made with another tokenizer than `fingerprint` (see `tokenizer_fingerprint`)."""
+        found = self.tokenizer_fingerprint
+        if found != fingerprint:
+            made = f"was made with tokenizer {found}" if found else "records no tokenizer"
+            raise DataError(f"the corpus at {self.shown} {made}, but data.tokenizer is {fingerprint}; "
+                            "write the corpus again with that tokenizer, or set data.tokenizer to the one it used")
 
     def get(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(inputs, labels)``, int64 tensors of shape ``[len(indices), seq_len]``."""
@@ -226,20 +196,57 @@ class TokenDataset:
         n = len(self)
         if idx.size:
             bad = idx[(idx < 0) | (idx >= n)]
-            # Negative indices are rejected rather than wrapped: they only arise from
-            # bugs in the order/offset arithmetic, which wrapping would hide.
+            # Negative ids are rejected rather than wrapped: they only arise from bugs in
+            # the order/offset arithmetic, which wrapping would hide.
             if bad.size:
-                raise DataError(
-                    f"sample index {int(bad[0])} out of range for dataset of {n} samples "
-                    f"(valid: 0..{n - 1})"
-                )
-        rows = self._tokens[idx]
-        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1], dtype=np.int64))
-        labels = torch.from_numpy(np.ascontiguousarray(rows[:, 1:], dtype=np.int64))
+                raise DataError(f"sample index {int(bad[0])} out of range for dataset of {n} samples "
+                                f"(valid: 0..{n - 1})")
+        rows = np.empty((idx.size, self.seq_len + 1), dtype=np.int64)
+        with self._lock:
+            self._gather(idx, rows)
+        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
+        labels = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
         return inputs, labels
 
+    def _gather(self, idx: np.ndarray, out: np.ndarray) -> None:
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        for s in np.unique(shard_of):
+            shard = self.shards[int(s)]
+            where = np.flatnonzero(shard_of == s)
+            rows = idx[where] - self._starts[s]
+            self._touch(int(s))
+            blocks = shard.block_of(rows)
+            for b in np.unique(blocks):
+                block = self._block(int(s), int(b))
+                take = blocks == b
+                out[where[take]] = block[rows[take] - shard.block_start(int(b))]
+
+    def _block(self, s: int, b: int) -> np.ndarray:
+        block = self._window.get((s, b))
+        if block is None:
+            shard = self.shards[s]
+            block = shard.read_block(b)
+            if self._vocab_limit is not None and block.size and int(block.max()) >= self._vocab_limit:
+                row = shard.block_start(b) + int(np.flatnonzero((block >= self._vocab_limit).any(axis=1))[0])
+                raise DataError(f"{shard.name}: row {row} holds token id {int(block.max())} but model.vocab_size "
+                                f"is {self._vocab_limit}; set model.vocab_size to at least {int(block.max()) + 1} "
+                                "or use matching data.")
+            if not self._window.put((s, b), block) and not self._warned:
+                self._warned = True
+                warnings.warn(f"{shard.name}: block {b} holds {block.nbytes / 2**20:.1f} MiB of tokens, more than "
+                              f"data.window_mb={self._window.max_bytes / 2**20:g}: every batch that needs it reads it "
+                              "again. Raise data.window_mb, or write the corpus with `raypar prepare-data` "
+                              "(row groups of 1 MiB)", stacklevel=2)
+        return block
+
+    def _touch(self, s: int) -> None:
+        self._open[s] = None
+        self._open.move_to_end(s)
+        while len(self._open) > _OPEN_SHARDS:
+            old, _ = self._open.popitem(last=False)
+            self.shards[old].close()
+
     def __repr__(self) -> str:
-        return (
-            f"TokenDataset(path={str(self.path)!r}, samples={len(self)}, "
-            f"seq_len={self.seq_len}, vocab_size={self.vocab_size})"
-        )
+        return (f"TokenDataset(path={self.shown!r}, samples={len(self)}, shards={len(self.shards)}, "
+                f"seq_len={self.seq_len}, vocab_size={self.vocab_size})")
+

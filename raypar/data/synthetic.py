@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from raypar.checkpoint.store import atomic_write
 
-from raypar.data.dataset import META_SEQ_LEN, META_VOCAB_SIZE, TOKENS_COLUMN
+from raypar.data.dataset import META_SEQ_LEN, META_TOKENIZER_FINGERPRINT, META_VOCAB_SIZE, TOKENS_COLUMN
 
 __all__ = ["write_synthetic_corpus", "generate_markov_tokens", "GENERATOR"]
 
@@ -27,7 +27,7 @@ _NOISE = 0.05
 
 
 def generate_markov_tokens(
-    num_samples: int, length: int, vocab_size: int, seed: int = 0
+    num_samples: int, length: int, vocab_size: int, seed: int = 0, part: int | None = None
 ) -> np.ndarray:
     """Draw ``num_samples`` sequences of ``length`` tokens as int32 ``[num_samples, length]``.
 
@@ -37,6 +37,7 @@ def generate_markov_tokens(
     starts at a uniform token; each next token is, with probability 0.95, a
     successor of the current token drawn by those weights, and otherwise a
     uniform random token. The loop runs over positions, vectorised over samples.
+    ``part`` draws another batch of samples from the same chain (a corpus written in parts).
     """
     if num_samples < 0 or length < 1 or vocab_size < 2:
         raise ValueError(
@@ -51,7 +52,7 @@ def generate_markov_tokens(
     # Separate streams for the chain and the samples: the chain (the "language")
     # depends only on the seed and vocab, not on how many samples are drawn.
     chain_rng = np.random.default_rng([seed, 0])
-    sample_rng = np.random.default_rng([seed, 1])
+    sample_rng = np.random.default_rng([seed, 1] if part is None else [seed, 1, part])
     successors = chain_rng.integers(0, vocab_size, size=(vocab_size, k), dtype=np.int32)
 
     out = np.empty((num_samples, length), dtype=np.int32)
@@ -89,7 +90,9 @@ def write_synthetic_corpus(
     vocab_size: int,
     seed: int = 0,
 ) -> pathlib.Path:
-    """Write a learnable Markov-chain corpus (see ``generate_markov_tokens``) to Parquet.
+    """Write a learnable Markov-chain corpus (see ``generate_markov_tokens``) to Parquet:
+    one file when ``path`` ends in ``.parquet``, else a folder of shards with a manifest
+    (`CorpusWriter`), generated and written a part at a time, so a corpus of any size fits.
 
     Each row of column ``tokens`` (list<int32>) holds ``seq_len + 1`` tokens. The
     schema metadata records ``raypar.vocab_size``, ``raypar.seq_len``,
@@ -101,6 +104,8 @@ def write_synthetic_corpus(
     if num_samples < 1 or seq_len < 1:
         raise ValueError(f"need num_samples >= 1 and seq_len >= 1, got {num_samples}, {seq_len}")
     target = pathlib.Path(path)
+    if target.suffix != ".parquet":
+        return _write_folder(target, num_samples, seq_len, vocab_size, seed)
     if target.is_dir():
         raise IsADirectoryError(
             f"{target} is a directory; give a file path such as {target}/train.parquet"
@@ -119,5 +124,34 @@ def write_synthetic_corpus(
     )
 
     # The temp file's .tmp suffix keeps directory readers (*.parquet) off it, even orphaned.
-    atomic_write(target, lambda tmp: pq.write_table(table, tmp))
+    # Row groups of about 1 MiB: a streaming reader reads one per sample it needs.
+    rows_per_group = max(1, 2**20 // (4 * (seq_len + 1)))
+    atomic_write(target, lambda tmp: pq.write_table(table, tmp, row_group_size=rows_per_group))
     return target
+
+
+_PART_SAMPLES = 16384
+
+
+def _write_folder(folder: pathlib.Path, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> pathlib.Path:
+    from raypar.data.manifest import CorpusManifest
+    from raypar.data.writer import DEFAULT_ROW_GROUP_BYTES, DEFAULT_SHARD_BYTES, open_sink, write_manifest
+
+    name = f"synthetic:{GENERATOR}"
+    metadata = {META_VOCAB_SIZE: str(vocab_size).encode(), META_SEQ_LEN: str(seq_len).encode(),
+                b"raypar.generator": GENERATOR.encode(), b"raypar.seed": str(seed).encode(),
+                META_TOKENIZER_FINGERPRINT: name.encode()}
+    schema = pa.schema([(TOKENS_COLUMN, pa.list_(pa.int32()))], metadata=metadata)
+    sink = open_sink(folder, True, True, schema, seq_len, DEFAULT_SHARD_BYTES, DEFAULT_ROW_GROUP_BYTES)
+    try:
+        for part, first in enumerate(range(0, num_samples, _PART_SAMPLES)):
+            sink.add(generate_markov_tokens(min(_PART_SAMPLES, num_samples - first), seq_len + 1, vocab_size, seed,
+                                            part=part))
+        manifest = CorpusManifest(seq_len=seq_len, vocab_size=vocab_size, tokenizer=name, tokenizer_fingerprint=name,
+                                  eos_id=-1, documents=num_samples, samples=sink.rows,
+                                  tokens=sink.rows * (seq_len + 1), max_token=sink.max_token, shards=sink.close())
+        write_manifest(folder, manifest)
+    except BaseException:
+        sink.abort()
+        raise
+    return folder

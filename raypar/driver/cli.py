@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from raypar.config import ConfigError, load_config
 
@@ -36,16 +37,63 @@ def _prepare_data(args: argparse.Namespace) -> int:
         print(f"wrote {args.samples} samples of {args.seq_len + 1} tokens to {path}")
         return 0
     if not args.inputs:
-        print("raypar prepare-data: give text/Parquet inputs (--input FILE ...) or --synthetic", file=sys.stderr)
+        print("raypar prepare-data: give text inputs (--input PATH ...) or --synthetic", file=sys.stderr)
         return 2
-
-    def progress(done: int, total: int) -> None:
-        print(f"\r  {done}/{total} documents", end="" if done < total else "\n", file=sys.stderr, flush=True)
-
-    path = prepare_data(args.inputs, args.out, args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
-                        add_eos=not args.no_eos, progress=progress)
+    shard_bytes = int(args.shard_mb * 2**20)
+    progress = _PrepareProgress(args.seq_len, shard_bytes if not args.out.lower().endswith(".parquet") else None)
+    try:
+        path = prepare_data(args.inputs, args.out, args.seq_len, tokenizer=args.tokenizer,
+                            text_column=args.text_column, add_eos=not args.no_eos, progress=progress,
+                            workers=args.workers, shard_bytes=shard_bytes,
+                            row_group_bytes=int(args.row_group_kb * 2**10), overwrite=args.overwrite)
+    finally:
+        progress.close()
     print(f"wrote {path}")
     return 0
+
+
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+class _PrepareProgress:
+    """One stderr line, rewritten in place: documents, tokens, tokens/s, shards."""
+
+    _EVERY_S = 0.2  # small documents finish thousands of batches a second
+
+    def __init__(self, seq_len: int, shard_bytes: int | None) -> None:
+        self._seq_len = seq_len
+        self._shard_bytes = shard_bytes  # None: a single-file output
+        self._start = time.monotonic()
+        self._shown = 0.0
+        self._line = ""
+        self._unshown = False
+
+    def __call__(self, done: int, total: int | None, tokens: int) -> None:
+        from raypar.data.prepare import rows_fitting
+
+        rows = tokens // (self._seq_len + 1)
+        if self._shard_bytes is None:
+            shards = int(rows > 0)
+        else:
+            shards = -(-rows // rows_fitting(self._shard_bytes, self._seq_len))
+        rate = tokens / max(time.monotonic() - self._start, 1e-9)
+        documents = f"{done:,}/{total:,}" if total is not None else f"{done:,}"
+        self._line = (f"\r  {documents} documents  {_count(tokens)} tokens  {_count(rate)} tokens/s  "
+                      f"{shards} shard{'s' if shards != 1 else ''}")
+        self._unshown = True
+        now = time.monotonic()
+        if now - self._shown >= self._EVERY_S:
+            self._shown = now
+            self._unshown = False
+            print(self._line, end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._line:  # the last state may have been skipped by the rate limit
+            print(self._line if self._unshown else "", file=sys.stderr, flush=True)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -118,15 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_timeline_parser(sub)
 
     prep = sub.add_parser("prepare-data", help="write a token dataset in raypar's Parquet format",
-                          description="Tokenize text files or a Parquet text column into fixed-length samples, "
-                                      "or generate a synthetic corpus.")
-    prep.add_argument("out", help="output Parquet file")
+                          description="Tokenize text (files, JSON lines, Parquet or Arrow text columns, Hugging Face "
+                                      "datasets folders) into fixed-length samples, or generate a synthetic corpus.")
+    prep.add_argument("out", help="output folder (shards + manifest.json) or a .parquet file")
     prep.add_argument("--input", dest="inputs", action="append", default=[], metavar="PATH",
-                      help=".txt file (one document), .parquet file or folder of them (repeatable)")
+                      help=".txt (one document per file), .jsonl/.json (one per line), .parquet or .arrow (one per "
+                           "row), a Hugging Face datasets folder (save_to_disk), or a folder of such files (repeatable)")
     prep.add_argument("--tokenizer", default="bytes",
                       help='"bytes" (built in, vocab 257) or a local folder/file with a Hugging Face tokenizer.json')
-    prep.add_argument("--text-column", default="text", help="the text column of Parquet inputs")
+    prep.add_argument("--text-column", default="text",
+                      help="the text column (Parquet, Arrow, datasets) or field (JSON lines) of the inputs")
     prep.add_argument("--no-eos", action="store_true", help="do not append an end-of-document token")
+    prep.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="tokenizer processes (default: one per CPU core; 1: none, tokenize in this process)")
+    prep.add_argument("--shard-mb", type=float, default=256, metavar="MB",
+                      help="largest shard of a folder output, in MiB of tokens (default 256)")
+    prep.add_argument("--row-group-kb", type=float, default=1024, metavar="KB",
+                      help="largest Parquet row group, in KiB of tokens (default 1024): a random sample reads one")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace the shards and manifest.json already in the output folder")
     prep.add_argument("--synthetic", action="store_true", help="generate a learnable synthetic corpus")
     prep.add_argument("--samples", type=int, default=4096)
     prep.add_argument("--seq-len", type=int, default=32)

@@ -244,6 +244,9 @@ class MetricsExporter(Callback):
         if getattr(record, "expert_tokens", None) or getattr(record, "alltoall_s", None) is not None:
             self.observe_moe(getattr(record, "expert_tokens", None), getattr(record, "tokens_dropped", 0),
                              getattr(record, "alltoall_bytes", 0), getattr(record, "alltoall_s", None))
+        b.set("raypar_data_wait_seconds", getattr(record, "data_wait_s", 0.0) or 0.0, run)
+        for stage, nbytes in enumerate(getattr(record, "data_window_bytes", None) or []):
+            b.set("raypar_stage_data_window_bytes", nbytes, {**run, "stage": str(stage)})
         # Most steps do not checkpoint (stall 0); the gauge keeps the last save's stall.
         stall = getattr(record, "checkpoint_stall_s", 0.0) or 0.0
         if stall > 0:

@@ -32,6 +32,8 @@ class StepRecord:
     alltoall_bytes: int = 0
     alltoall_s: float | None = None  # slowest worker's host time in all-to-all (MoE with ep > 1)
     checkpoint_stall_s: float = 0.0  # time this step was held up by checkpointing
+    data_wait_s: float = 0.0  # the longest any worker waited to read its batch
+    data_window_bytes: list[int] = field(default_factory=list)  # per stage: the corpus one worker keeps
     optimizer_bytes: list[int] = field(default_factory=list)  # per stage: masters and moments of one worker
     # Device seconds in the gradient reduction (all-reduce, or the reduce-scatters a sharded
     # optimizer did not start inside backward; the first stage's, the last to finish backward,
@@ -74,6 +76,8 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         alltoall_bytes=sum(r.alltoall_bytes for r in reports),
         alltoall_s=max(r.alltoall_s for r in reports) if grid.ep > 1 else None,
         checkpoint_stall_s=max(r.checkpoint_stall_s for r in reports),
+        data_wait_s=max(r.data_wait_s for r in reports),
+        data_window_bytes=by_stage("data_window_bytes"),
         optimizer_bytes=by_stage("optimizer_bytes"),
         # The first stage finishes its backward last: its reduction waits for no other stage.
         reduce_s=unit_seconds(reports, Op.REDUCE_GRAD, stage=0),
@@ -166,6 +170,7 @@ class RunSummary:
     grad_buckets_early_share: float = 0.0
     alltoall_bytes_per_step: float = 0.0
     alltoall_s_per_step: float = 0.0
+    data_wait_s_per_step: float = 0.0  # the longest wait of any worker for its batch, per step
     start_step: int = 0  # > 0 when resumed from a checkpoint
     checkpoints: list[dict] = field(default_factory=list)  # one per save: step, path, bytes, timings
     checkpoint_stall_s: float = 0.0  # total time the loop was held up by saves
@@ -188,6 +193,8 @@ class RunSummary:
             f"step time           {self.step_time_s * 1000:.1f} ms",
             f"bubble              measured {self.bubble_measured:.3f}  simulated {self.bubble_simulated:.3f}",
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
+            f"data wait           {self.data_wait_s_per_step * 1000:.2f} ms per step"
+            + (f" ({self.data_wait_s_per_step / self.step_time_s:.2%} of a step)" if self.step_time_s else ""),
             "peak activations    " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
         ]
         if self.optimizer_bytes:
@@ -271,6 +278,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         grad_buckets_early_share=(sum(r.grad_buckets_early for r in steady) / max(1, sum(r.grad_buckets for r in steady))),
         alltoall_bytes_per_step=avg("alltoall_bytes"),
         alltoall_s_per_step=fmean(timed_a2a) if timed_a2a else 0.0,
+        data_wait_s_per_step=avg("data_wait_s"),
         start_step=start_step,
         checkpoints=checkpoints,
         checkpoint_stall_s=sum(r.checkpoint_stall_s for r in records),

@@ -95,6 +95,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                ("run", "layer", "expert"), "tokens"),
     MetricSpec("raypar_tokens_dropped_total", "counter",
                "Token assignments dropped by expert capacity limits, summed over MoE layers.", RUN, "tokens"),
+    # -- data -------------------------------------------------------------------------------
+    MetricSpec("raypar_data_wait_seconds", "gauge",
+               "Time the last step waited to read its batch (the slowest worker); above zero only when the "
+               "corpus is read slower than training or data.prefetch is off.", RUN, "seconds"),
+    MetricSpec("raypar_stage_data_window_bytes", "gauge",
+               "Bytes of the corpus a worker of each stage keeps (its window of recently read blocks; the most "
+               "of the stage's replicas; only first and last stages read data).", ("run", "stage"), "bytes"),
     # -- checkpoints ---------------------------------------------------------------------
     MetricSpec("raypar_checkpoints_total", "counter", "Checkpoint saves by outcome: committed, failed or skipped.",
                ("run", "outcome"), ""),

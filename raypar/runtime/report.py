@@ -93,6 +93,8 @@ class StepReport:
     grad_norm: float | None  # first stage only: one norm over the whole model, which that stage is last to finish
     lr: float
     checkpoint_stall_s: float  # time this step waited on a checkpoint snapshot
+    data_wait_s: float = 0.0  # time the host waited to read its batch (0 when prefetched in time)
+    data_window_bytes: int = 0  # bytes of the corpus this worker keeps (its window of read blocks)
     optimizer_bytes: int = 0  # fp32 masters and AdamW moments this worker holds (its share when sharded)
     # Sharded optimizer: gradient buckets reduced over replicas, and how many of them were
     # queued from inside backward (parallel.overlap_grad_reduce) rather than after it.

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from raypar import host_wait
 from raypar.config import Config
 from raypar.data import TokenDataset
+from raypar.data.prefetch import Prefetcher
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
@@ -62,6 +63,7 @@ class _StepState:
     released: int = 0
     peak_live: int = 0
     last_backward: object | None = None  # the end mark of its last backward
+    data_wait_s: float = 0.0  # what reading its batch held the step up (none when prefetched in time)
 
     def release(self) -> None:
         """Drop the step's tensors (the device frees them once its queued work is done)."""
@@ -121,6 +123,8 @@ class StageRuntime:
         self.groups = groups
         self.device = device
         self.dataset = dataset
+        self._prefetch = (Prefetcher(dataset.get, pin=device.type == "cuda")
+                          if dataset is not None and (self.is_first or self.is_last) else None)
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
         t0 = time.perf_counter()
 
@@ -211,6 +215,8 @@ class StageRuntime:
         the next call comes."""
         t_start = time.time()
         state = self._take_ahead(step, sample_ids) or self._begin(step, sample_ids)
+        if next_sample_ids is not None and self._prefetch is not None and self.cfg.data.prefetch:
+            self._prefetch.start(next_sample_ids)
         grad_norm, lr, grads = None, 0.0, None
         readback = None
         previous, self._late = self._late, None
@@ -299,7 +305,9 @@ class StageRuntime:
             peak_activation_bytes=peak_act, peak_device_bytes=peak_device,
             peak_live_microbatches=state.peak_live, released_outputs=state.released,
             expert_tokens=expert_tokens, tokens_dropped=dropped, alltoall_bytes=a2a, alltoall_s=a2a_s,
-            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, optimizer_bytes=self._optimizer_bytes,
+            grad_norm=norm, lr=lr, checkpoint_stall_s=stall, data_wait_s=state.data_wait_s,
+            data_window_bytes=self.dataset.window.bytes if self._prefetch is not None else 0,
+            optimizer_bytes=self._optimizer_bytes,
             buckets=buckets, buckets_early=early,
             grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
@@ -312,7 +320,7 @@ class StageRuntime:
             raise ValueError(f"stage {self.stage}: no program to run (set_program was not called)")
         if len(sample_ids) % n_mb:
             raise ValueError(f"stage {self.stage}: {len(sample_ids)} samples do not split into {n_mb} micro-batches")
-        tokens, labels = self._load(sample_ids, n_mb)
+        tokens, labels, data_wait = self._load(sample_ids, n_mb)
         drop_weight_grads()  # a cancelled step's (nothing else is pending between steps)
         # Per-sample dropout seeds: the masks follow the sample, not the micro-batch or grid.
         seeds = (sample_seeds(self.cfg.train.seed, step, sample_ids, self.device).chunk(n_mb)
@@ -329,7 +337,7 @@ class StageRuntime:
         # Shapes follow the step's program, so one worker group can run any schedule and count.
         act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
         return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape,
-                          Inflight(self.groups.channels, self.timeout))
+                          Inflight(self.groups.channels, self.timeout), data_wait_s=data_wait)
 
     def _issue(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
         """Issue one unit that moves a step's tensors: an exchange, a forward, a backward or a release."""
@@ -447,16 +455,19 @@ class StageRuntime:
 
     # -- actions -----------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop what runs beside the steps: the data prefetch's thread."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+
     def _load(self, sample_ids: list[int], n_mb: int):
-        if not (self.is_first or self.is_last):
-            return None, None
-        x, y = self.dataset.get(sample_ids)
-        if self.device.type == "cuda":
-            # From pageable memory the copy would wait for the last step's optimizer to finish.
-            x, y = x.pin_memory(), y.pin_memory()
+        """The step's batch on the device, in micro-batches, and the seconds the host waited for it."""
+        if self._prefetch is None:
+            return None, None, 0.0
+        (x, y), waited = self._prefetch.take(sample_ids)
         x = x.to(self.device, non_blocking=True).chunk(n_mb)
         y = y.to(self.device, non_blocking=True).chunk(n_mb)
-        return x, y
+        return x, y, waited
 
     def _forward(self, state: "_StepState", mb: int) -> torch.Tensor:
         self._mb = mb
