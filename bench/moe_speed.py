@@ -1,14 +1,14 @@
 """MoE against dense in one call (issue 24): MFU by active parameters of
-`configs/moe-scale.yaml` at ep=2 against `configs/gpt-1b.yaml`, custom kernels on against
-off, padded all-to-alls (no host wait) against exact split sizes, and how much of an MoE
-step the all-to-all leaves exposed.
+`configs/moe-scale.yaml` at ep=2 against `configs/gpt-1b.yaml`, CUDA graphs on against off
+(`-eager` kinds: runtime.cuda_graphs=false), custom kernels on against off, padded
+all-to-alls (no host wait) against exact split sizes, and how much of an MoE step the
+all-to-all leaves exposed.
 
     python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10] [--baseline TREE]
         [--kinds dense,moe-kernels-on,...] [--variant LABEL=KEY=VALUE[,KEY=VALUE]]...
 
 Every launch is its own process (a fresh Ray, fresh workers): one round is a dense launch
-and three MoE launches (kernels on, kernels off, exact split sizes with kernels on), whose
-order reverses between rounds. With `--baseline TREE` each round also launches the kernels-on
+and a launch of each other kind asked for (`--kinds`), whose order reverses between rounds. With `--baseline TREE` each round also launches the kernels-on
 MoE run from another checkout of the project (e.g. `git worktree add TREE <commit>`), for a
 before/after ratio in the same call; each `--variant` adds a kernels-on MoE launch with its
 config overrides (e.g. `mb4=parallel.microbatches=4`). Each MoE
@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = ["parallel.pp=1", "parallel.ep=2", "train.global_batch_size=32"]
-KINDS = ["dense", "moe-kernels-on", "moe-kernels-off", "moe-exact"]
+KINDS = ["dense", "dense-eager", "moe-kernels-on", "moe-eager", "moe-kernels-off", "moe-exact"]
 PROFILED_STEP = 6
 
 
@@ -40,14 +40,15 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
 
     run_dir = work / kind
     common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
-    if kind == "dense":
-        cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"), common)
+    eager = ["runtime.cuda_graphs=false"] if kind.endswith("-eager") else []
+    if kind.startswith("dense"):
+        cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"), [*common, *eager])
     else:
         kernels = "false" if kind == "moe-kernels-off" else "true"
         alltoall = "exact" if kind == "moe-exact" else "padded"
         cfg = load_config(str(ROOT / "configs" / "moe-scale.yaml"),
                           [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.moe_alltoall={alltoall}",
-                           f"runtime.profile_step={PROFILED_STEP}", *overrides])
+                           f"runtime.profile_step={PROFILED_STEP}", *eager, *overrides])
     s = Trainer(cfg, log=lambda m: None).fit()
     # The profiled step and the one after it run slower (the profiler's own work): leave both out.
     steady = [r for r in s.records[1:] if r.step not in (PROFILED_STEP, PROFILED_STEP + 1)]
@@ -123,10 +124,14 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r + 1} | {kind} | {x['tokens_per_s']:,.0f} | {x['step_ms']:.0f} | {x['mfu']:.3f} | {rel} | "
                          f"{exposed} |")
         on = got.get("moe-kernels-on")
-        for label, other in [("kernels on / off", "moe-kernels-off"), ("padded / exact sizes", "moe-exact"),
-                             ("this tree / baseline", "moe-baseline")]:
-            if on and other in got:
-                ratios.append(f"- round {r + 1}, {label}: {on['tokens_per_s'] / got[other]['tokens_per_s']:.3f} (tokens/s)")
+        for label, mine, other in [("dense, CUDA graphs on / off", "dense", "dense-eager"),
+                                   ("MoE, CUDA graphs on / off", "moe-kernels-on", "moe-eager"),
+                                   ("kernels on / off", "moe-kernels-on", "moe-kernels-off"),
+                                   ("padded / exact sizes", "moe-kernels-on", "moe-exact"),
+                                   ("this tree / baseline", "moe-kernels-on", "moe-baseline")]:
+            if mine in got and other in got:
+                ratios.append(f"- round {r + 1}, {label}: "
+                              f"{got[mine]['tokens_per_s'] / got[other]['tokens_per_s']:.3f} (tokens/s)")
         for kind in got:
             if on and kind not in KINDS and kind != "moe-baseline":
                 ratios.append(f"- round {r + 1}, {kind} / kernels on: "

@@ -168,6 +168,13 @@ class RuntimeConfig:
     # NVLink (2 x H100) 2 pieces ran 0.77x and 4 ran 0.43x the tokens/s of 1, whose
     # exchanges are waited for in line (BENCHMARKS.md). The exact exchange is always whole.
     moe_chunks: int = 1
+    # On a stage that is the whole model (parallel.pp=1) on GPU, each micro-batch's forward
+    # and backward replay CUDA graphs captured at the first step: the host issues two
+    # launches per micro-batch instead of every op (MoE layers issue ~60 a layer and
+    # direction). Runs eagerly where a graph cannot hold what the step does: pp > 1,
+    # activation recompute, the exact all-to-all, split backward (I/W), or a schedule that
+    # keeps several micro-batches live (docs/concepts.md).
+    cuda_graphs: bool = True
 
 
 @dataclass

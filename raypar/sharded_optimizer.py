@@ -15,6 +15,7 @@ state loads on any grid, sharded or not, and an unsharded one loads here.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -256,7 +257,10 @@ class ShardedOptimizer(MasterOptimizer):
             by_family.setdefault("expert" if is_expert_param(n) else "dense", []).append((n, p))
         self.families = [Family(i, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap)
                          for i, (f, params) in enumerate(sorted(by_family.items()))]
-        self._views = {key: p[index] for name, p in self.named_params for key, index in self.slices[name]}
+        # Views of the detached weights: a view of the parameter itself would keep its
+        # AccumulateGrad node alive, tied to this stream, and a CUDA graph's backward
+        # captured on another stream would then fail.
+        self._views = {key: p.detach()[index] for name, p in self.named_params for key, index in self.slices[name]}
         for family in self.families:
             for i, _ in enumerate(family.params):
                 family.params[i][1].register_post_accumulate_grad_hook(family.accumulate_hook(i))
@@ -334,6 +338,24 @@ class ShardedOptimizer(MasterOptimizer):
             f.restart_counts()
             f._gathers = [None] * len(f.buckets)
             f.group = None
+
+    @contextmanager
+    def reductions_paused(self):
+        """Backward inside this block accumulates gradients and queues no reduction, nor
+        counts what arrived (a CUDA graph's warm-up and capture: a collective captured there
+        would run at every replay)."""
+        overlaps = [f.overlap for f in self.families]
+        for f in self.families:
+            f.overlap = False
+        try:
+            yield
+        finally:
+            for f, on in zip(self.families, overlaps):
+                f.overlap = on
+
+    def overlaps_reduction(self) -> bool:
+        """Whether the last backward of a step queues gradient reductions from inside it."""
+        return any(f.overlap and f.ranks > 1 for f in self.families)
 
     def wait_for_weights(self) -> None:
         """Order what runs next after every pending gather of the weights."""

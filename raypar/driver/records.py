@@ -45,6 +45,9 @@ class StepRecord:
     # reduce-scatter was queued from inside backward.
     grad_buckets: int = 0
     grad_buckets_early: int = 0
+    # Micro-batches run by all workers, and those that replayed CUDA graphs (runtime.cuda_graphs).
+    microbatches: int = 0
+    graphed_microbatches: int = 0
     stage_times: list[WorkerTimes] = field(default_factory=list)  # per worker: forward, backward, idle seconds
     # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
@@ -84,6 +87,8 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         optimizer_s=unit_seconds(reports, Op.STEP),
         grad_buckets=sum(r.buckets for r in reports),
         grad_buckets_early=sum(r.buckets_early for r in reports),
+        microbatches=sum(r.microbatches for r in reports),
+        graphed_microbatches=sum(r.graphed_microbatches for r in reports),
         stage_times=stage_times(reports, grid),
         mfu=mfu(tokens / step_time_s, flops_per_token, grid.size, peak_flops),
     )
@@ -168,6 +173,7 @@ class RunSummary:
     optimizer_s_per_step: float = 0.0
     # Sharded optimizer: the share of gradient buckets whose reduce-scatter began inside backward.
     grad_buckets_early_share: float = 0.0
+    cuda_graphs_share: float = 0.0  # of all micro-batches run, those that replayed CUDA graphs
     alltoall_bytes_per_step: float = 0.0
     alltoall_s_per_step: float = 0.0
     data_wait_s_per_step: float = 0.0  # the longest wait of any worker for its batch, per step
@@ -195,6 +201,8 @@ class RunSummary:
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
             f"data wait           {self.data_wait_s_per_step * 1000:.2f} ms per step"
             + (f" ({self.data_wait_s_per_step / self.step_time_s:.2%} of a step)" if self.step_time_s else ""),
+            *([f"CUDA graphs         {self.cuda_graphs_share:.0%} of micro-batches replayed (runtime.cuda_graphs)"]
+              if self.device.startswith("cuda") else []),
             "peak activations    " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
         ]
         if self.optimizer_bytes:
@@ -276,6 +284,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         reduce_s_per_step=avg("reduce_s"),
         optimizer_s_per_step=avg("optimizer_s"),
         grad_buckets_early_share=(sum(r.grad_buckets_early for r in steady) / max(1, sum(r.grad_buckets for r in steady))),
+        cuda_graphs_share=sum(r.graphed_microbatches for r in records) / max(1, sum(r.microbatches for r in records)),
         alltoall_bytes_per_step=avg("alltoall_bytes"),
         alltoall_s_per_step=fmean(timed_a2a) if timed_a2a else 0.0,
         data_wait_s_per_step=avg("data_wait_s"),

@@ -68,7 +68,7 @@ def unstacked(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     slices = named_slices(module)
     for name, param in module.named_parameters():
         for key, index in slices[name]:
-            yield key, param[index]
+            yield key, param.detach()[index]  # no autograd node: see ShardedOptimizer._views
 
 
 def load_unstacked(module: nn.Module, tensors: dict[str, Tensor]) -> None:

@@ -31,14 +31,21 @@ from raypar.model.split_backward import Linear
 
 
 class MoEStats:
-    """Per-step counters of one MoE layer, kept on the device until read."""
+    """Per-step counters of one MoE layer, kept on the device until read.
+
+    The device counters accumulate in place into tensors that live as long as the layer, so
+    a CUDA graph that captured a forward keeps counting when replayed (`runtime/graphs.py`).
+    """
 
     def __init__(self) -> None:
+        self.routed: Tensor | None = None  # assignments per global expert (before capacity)
+        self.dropped: Tensor | None = None  # assignments dropped by the capacity limit
         self.reset()
 
     def reset(self) -> None:
-        self.routed: Tensor | None = None  # assignments per global expert (before capacity)
-        self.dropped: Tensor | None = None  # assignments dropped by the capacity limit
+        for counter in (self.routed, self.dropped):
+            if counter is not None:
+                counter.zero_()
         self.alltoall_bytes = 0  # bytes this rank sent to other ranks, forward and backward
         # Host time in the exchanges (counts and rows, forward and backward). On GPU this
         # is launch time plus the waits the split sizes force, not kernel time.
@@ -46,11 +53,13 @@ class MoEStats:
 
     def add(self, routed: Tensor, dropped: Tensor | None) -> None:
         """dropped: None when nothing can be (dropless routing)."""
-        routed = routed.detach()
-        self.routed = routed if self.routed is None else self.routed + routed
+        if self.routed is None:
+            self.routed = torch.zeros_like(routed)
+        self.routed.add_(routed.detach())
         if dropped is not None:
-            dropped = dropped.detach()
-            self.dropped = dropped if self.dropped is None else self.dropped + dropped
+            if self.dropped is None:
+                self.dropped = torch.zeros_like(dropped)
+            self.dropped.add_(dropped.detach())
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -21,6 +21,9 @@ class ActivationTracker:
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self._saved: dict[int, dict[int, torch.UntypedStorage]] = {}
         self._held: dict[int, dict[int, torch.UntypedStorage]] = {}
+        # Bytes a replayed CUDA graph's forward keeps for its backward, per micro-batch: they
+        # live in the graph's memory pool, where no hook sees them.
+        self._graphed: dict[int, int] = {}
         self.peak_bytes = 0
 
     def reset_peak(self) -> None:
@@ -49,9 +52,14 @@ class ActivationTracker:
         if storage.data_ptr():
             self._held.setdefault(mb, {}).setdefault(storage._cdata, storage)
 
+    def hold_graphed(self, mb: int, nbytes: int) -> None:
+        """Micro-batch `mb`'s forward ran as a CUDA graph that keeps `nbytes` for its backward."""
+        self._graphed[mb] = nbytes
+
     def backward_done(self, mb: int) -> None:
         """Autograd frees what it saved for `mb` once its backward has run."""
         self._saved.pop(mb, None)
+        self._graphed.pop(mb, None)
 
     def drop(self, mb: int) -> None:
         self._held.pop(mb, None)
@@ -59,16 +67,17 @@ class ActivationTracker:
     def clear(self) -> None:
         self._saved.clear()
         self._held.clear()
+        self._graphed.clear()
 
     def live_microbatches(self) -> int:
-        return len(self._saved)
+        return len(self._saved.keys() | self._graphed.keys())
 
     def live_bytes(self) -> int:
         seen: dict[int, torch.UntypedStorage] = {}
         for table in (self._saved, self._held):
             for storages in table.values():
                 seen.update(storages)
-        return sum(s.nbytes() for s in seen.values())
+        return sum(s.nbytes() for s in seen.values()) + sum(self._graphed.values())
 
     def sample(self) -> int:
         live = self.live_bytes()

@@ -100,6 +100,8 @@ class StepReport:
     # queued from inside backward (parallel.overlap_grad_reduce) rather than after it.
     buckets: int = 0
     buckets_early: int = 0
+    microbatches: int = 0  # forwards in this worker's program
+    graphed_microbatches: int = 0  # of them, those whose forward and backward replayed CUDA graphs
     # Still making or sending a copy of its state in memory (elastic.memory_every) from
     # before this step when it reported: a copy asked for now would likely be skipped, so the
     # driver asks for none until every worker can take one (copies of the same steps on

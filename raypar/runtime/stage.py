@@ -8,7 +8,10 @@ been sent. Nothing here knows about Ray: a stage worker actor wraps it.
 """
 from __future__ import annotations
 
+import sys
 import time
+import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -29,6 +32,7 @@ from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
+from raypar.runtime.graphs import GraphCaptureError, MicroBatchGraph, graph_key, graphs_blocked
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.p2p import Inflight, connect_channels
@@ -58,6 +62,8 @@ class _StepState:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     grad_out: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
     losses: list[torch.Tensor] = field(default_factory=list)  # last stage only
+    graphed: set[int] = field(default_factory=set)  # micro-batches whose forward replayed a CUDA graph
+    graphed_count: int = 0
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
     issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
     released: int = 0
@@ -86,7 +92,8 @@ class ReadBack:
 
     def __init__(self, losses: torch.Tensor | None, grad_norm: torch.Tensor | None,
                  routed: dict[str, torch.Tensor], dropped: list[torch.Tensor], clock: StepClock):
-        host = lambda t: t.detach().to("cpu", non_blocking=True)  # noqa: E731 - pinned on CUDA
+        # Copies even on CPU: the MoE counters are zeroed in place by the next step.
+        host = lambda t: t.detach().to("cpu", non_blocking=True, copy=True)  # noqa: E731 - pinned on CUDA
         self._losses = host(losses) if losses is not None else None
         self._norm = host(grad_norm) if grad_norm is not None else None
         self._routed = {layer: host(t) for layer, t in routed.items()}
@@ -168,6 +175,7 @@ class StageRuntime:
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
         self._mb = -1
+        self._graph: MicroBatchGraph | None = None  # this program's captured micro-batch (runtime.cuda_graphs)
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
         self._late: tuple[int, list[tuple[object, object]], object] | None = None
@@ -190,6 +198,9 @@ class StageRuntime:
         self._units = comm_groups(self.program)  # what runs
         self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = sum(1 for a in self.program if a.op == Op.F)
+        self._graph = None
+        # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
+        self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # I and W need the linear layers to leave their weight gradients for later.
         set_split_backward(self.model, any(a.op in (Op.I, Op.W) for a in self.program))
         if isinstance(self.optimizer, ShardedOptimizer):
@@ -308,7 +319,8 @@ class StageRuntime:
             grad_norm=norm, lr=lr, checkpoint_stall_s=stall, data_wait_s=state.data_wait_s,
             data_window_bytes=self.dataset.window.bytes if self._prefetch is not None else 0,
             optimizer_bytes=self._optimizer_bytes,
-            buckets=buckets, buckets_early=early,
+            buckets=buckets, buckets_early=early, microbatches=self._n_mb,
+            graphed_microbatches=state.graphed_count,
             grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
@@ -411,8 +423,10 @@ class StageRuntime:
         return None
 
     def _drop_ahead(self) -> None:
-        """Forget a step issued ahead: the weights or the program change before it runs."""
+        """Forget a step issued ahead, and the captured graph: the weights or the program
+        change before the next step runs."""
         self._ahead = None
+        self._graph = None
 
     def report_tail(self, step: int) -> ReportTail:
         """Wait for the device to pass step `step`, reported ahead of it (`StepReport.complete`),
@@ -478,6 +492,15 @@ class StageRuntime:
             x = state.inputs[mb]
         target = state.labels[mb] if self.is_last else None
         seeds = state.seeds[mb] if state.seeds is not None else None
+        graph = self._graph_for(state, (x, target, seeds))
+        if graph is not None:
+            self._weights_gathered()  # what the forward pre-hooks do eagerly
+            loss = graph.forward((x, target, seeds))
+            state.losses.append(loss)
+            state.graphed.add(mb)
+            state.graphed_count += 1
+            self.tracker.hold_graphed(mb, graph.saved_bytes)
+            return loss
         with self.tracker.recording(mb):
             if self.recompute == "stage":
                 self.tracker.hold(mb, x)
@@ -491,7 +514,48 @@ class StageRuntime:
         self.tracker.hold(mb, out)
         return out
 
+    def _graph_for(self, state: "_StepState", inputs) -> MicroBatchGraph | None:
+        """The CUDA graph this micro-batch's forward and backward replay, captured first if
+        need be; None to run them eagerly."""
+        if self.graphs_blocked is not None:
+            return None
+        sharded = isinstance(self.optimizer, ShardedOptimizer)
+        if sharded and self.optimizer.overlaps_reduction() and len(state.losses) == self._n_mb - 1:
+            return None  # eager: its backward queues each bucket's reduction once the bucket is full
+        key = graph_key(inputs, self._n_mb)
+        if self._graph is not None and self._graph.key == key:
+            return self._graph
+        if state.losses:
+            return None  # capture at a step's first forward: the warm-up's gradients are zeroed after it
+        self._graph = None  # its memory pool goes before the next one is made
+        self._weights_gathered()
+        try:
+            with self.optimizer.reductions_paused() if sharded else nullcontext():
+                self._graph = MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
+                                              counters=[m.stats for m in self.moe_layers.values()])
+        except GraphCaptureError as e:
+            # Every rank runs the same ops, so every rank fails here and goes on eagerly.
+            self.graphs_blocked = f"capture failed: {e}"
+            frames = traceback.extract_tb(e.__cause__.__traceback__) if e.__cause__ is not None else []
+            ours = [f for f in frames if "site-packages" not in f.filename]  # the project's last frame
+            where = ours[-1] if ours else None
+            print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}"
+                  + (f" ({where.filename}:{where.lineno}, {where.line})" if where else ""), file=sys.stderr, flush=True)
+            return None
+        return self._graph
+
+    def _undo_warm_up(self) -> None:
+        """What a graph's eager warm-up left: gradients (the step had none yet) and MoE counters."""
+        self.optimizer.zero_grad()
+        for moe in self.moe_layers.values():
+            moe.stats.reset()
+
     def _backward(self, state: "_StepState", mb: int) -> None:
+        if mb in state.graphed:
+            state.graphed.discard(mb)
+            self._graph.backward()
+            self.tracker.backward_done(mb)
+            return
         out = state.outputs[mb]
         if self.is_last:
             torch.autograd.backward(out)

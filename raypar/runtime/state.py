@@ -43,8 +43,8 @@ def _pieces(optimizer: MasterOptimizer, emas: list[torch.Tensor] | None = None):
         state = optimizer.optimizer.state.get(master, {})
         for key, index in optimizer.slices[name]:
             # The step count is one scalar per parameter, shared by its experts.
-            yield (key, param[index], master[index], {k: v if v.ndim == 0 else v[index] for k, v in state.items()},
-                   None if ema is None else ema[index])
+            moments = {k: v if v.ndim == 0 else v[index] for k, v in state.items()}
+            yield key, param.detach()[index], master[index], moments, None if ema is None else ema[index]
 
 
 def _written(optimizer: MasterOptimizer, coord: Coord | None, emas: list[torch.Tensor] | None = None):
@@ -307,7 +307,7 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
 def _named_views(optimizer: MasterOptimizer):
     for name, param in optimizer.named_params:
         for key, index in optimizer.slices[name]:
-            yield key, param[index]
+            yield key, param.detach()[index]
 
 
 def read_ahead(read: Callable[[str], torch.Tensor], names: list[str], threads: int) -> Iterator[torch.Tensor]:

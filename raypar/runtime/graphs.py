@@ -1,0 +1,151 @@
+"""CUDA graphs of a one-stage micro-batch (`runtime.cuda_graphs`).
+
+A stage that is the whole model (pp=1) runs each micro-batch's forward and backward back
+to back, one micro-batch live at a time. Both are captured once as CUDA graphs and
+replayed for every micro-batch after: the host issues two graph launches per micro-batch
+instead of every op. That matters for MoE layers, whose router, layout kernels, all-to-alls
+and grouped GEMMs are ~60 small launches a layer and direction: eagerly, the host takes
+longer to issue them than the device to run them, and an all-to-all then waits for the
+slower peer's host rather than for its bytes.
+
+What a replay relies on, and how the stage keeps it true:
+- inputs, outputs and saved activations live at fixed addresses (the graph's memory pool):
+  a micro-batch's tokens, labels and dropout seeds are copied into the captured inputs;
+- parameters and the gradient buffers backward accumulates into are never reallocated
+  (loads copy into them; the optimizers zero gradients in place);
+- nothing in forward or backward reads the device from the host (the padded all-to-all);
+- Python side effects of forward and backward happen once, at capture: MoE counters
+  accumulate into device tensors inside the graph, and the all-to-all byte counts taken at
+  capture are added per replay (`MoEStats.alltoall_bytes`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from raypar.config import Config
+from raypar.schedule import Action, Op
+from raypar.topology import Grid
+
+
+class GraphCaptureError(RuntimeError):
+    """Forward or backward did something a CUDA graph cannot capture (the same on every rank)."""
+
+
+def graphs_blocked(cfg: Config, grid: Grid, program: Sequence[Action], device: torch.device) -> str | None:
+    """Why this stage's program cannot run its micro-batches as CUDA graphs; None when it can."""
+    if not cfg.runtime.cuda_graphs:
+        return "runtime.cuda_graphs is off"
+    if device.type != "cuda":
+        return "the stage is not on a GPU"
+    if grid.pp > 1:
+        return "parallel.pp > 1: a pipeline stage holds several micro-batches' activations, a graph one"
+    if cfg.runtime.recompute != "none":
+        return "runtime.recompute is on"
+    if cfg.model.n_experts and grid.ep > 1 and cfg.runtime.moe_alltoall != "padded":
+        return "runtime.moe_alltoall=exact reads split sizes on the host"
+    if any(a.op in (Op.I, Op.W) for a in program):
+        return "the program splits backward into I and W"
+    computes = [a for a in program if a.op.is_compute]
+    pairs = list(zip(computes[0::2], computes[1::2]))
+    if len(computes) % 2 or any((f.op, b.op) != (Op.F, Op.B) or f.mb != b.mb for f, b in pairs):
+        return "the program does not run each micro-batch's backward right after its forward"
+    return None
+
+
+class MicroBatchGraph:
+    """One micro-batch's forward (the stage loss) and backward through `model`, captured for
+    inputs of one shape; backward starts from the loss divided by `micro_batches` (the step's
+    loss is their mean).
+
+    `reset` undoes what the eager warm-up left (accumulated gradients, MoE counters);
+    `counters` are the MoE layers' stats, whose host-side byte counts a replay advances.
+    `saved_bytes`: what a forward keeps for its backward (parameters aside), as the
+    activation tracker would count it."""
+
+    def __init__(self, model: nn.Module, inputs: Sequence[Tensor | None], micro_batches: int,
+                 reset: Callable[[], None], counters: Sequence[object] = ()):
+        self.key = graph_key(inputs, micro_batches)
+        self._counters = list(counters)
+        self._static = [t.detach().clone() if t is not None else None for t in inputs]
+        current = torch.cuda.current_stream()
+        # Warm up on a side stream, as capture requires: libraries create their handles and
+        # workspaces, NCCL its communicators, kernels load, all outside the graph.
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            (model(*self._static) / micro_batches).backward()
+        current.wait_stream(side)
+        reset()
+        before = self._bytes()
+        try:
+            self._forward = torch.cuda.CUDAGraph()
+            # thread_local: the data prefetch thread may pin memory meanwhile.
+            with _saved_bytes(model) as saved, torch.cuda.graph(self._forward, capture_error_mode="thread_local"):
+                self._loss = model(*self._static)
+                scaled = self._loss / micro_batches
+            self.saved_bytes = sum(saved.values())
+            middle = self._bytes()
+            self._backward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._backward, pool=self._forward.pool(), capture_error_mode="thread_local"):
+                scaled.backward()
+            after = self._bytes()
+            # Let the captured autograd nodes go: eager forwards then make their own, on
+            # their own stream (a kept AccumulateGrad node would tie them to the capture's).
+            self._loss = self._loss.detach()
+            del scaled
+        except RuntimeError as e:  # an op that syncs with the host, or that capture does not support
+            reset()
+            for c, n in zip(self._counters, before):
+                c.alltoall_bytes = n
+            raise GraphCaptureError(str(e).splitlines()[0]) from e
+        self._forward_bytes = [m - b for m, b in zip(middle, before)]
+        self._backward_bytes = [a - m for a, m in zip(after, middle)]
+        for c, n in zip(self._counters, before):  # capture ran no exchange: replays count them
+            c.alltoall_bytes = n
+
+    def forward(self, inputs: Sequence[Tensor | None]) -> Tensor:
+        """Replay the forward on `inputs`; returns the micro-batch's (unscaled) loss."""
+        for static, t in zip(self._static, inputs):
+            if static is not None:
+                static.copy_(t, non_blocking=True)
+        self._forward.replay()
+        self._advance(self._forward_bytes)
+        return self._loss.detach().clone()  # the next replay overwrites the captured one
+
+    def backward(self) -> None:
+        """Replay the backward of the last forward: gradients accumulate where eager ones would."""
+        self._backward.replay()
+        self._advance(self._backward_bytes)
+
+    def _bytes(self) -> list[int]:
+        return [c.alltoall_bytes for c in self._counters]
+
+    def _advance(self, deltas: list[int]) -> None:
+        for c, n in zip(self._counters, deltas):
+            c.alltoall_bytes += n
+
+
+def graph_key(inputs: Sequence[Tensor | None], micro_batches: int) -> tuple:
+    """What a captured graph is valid for: its inputs' shapes and dtypes, and the micro-batches
+    per step (the loss's divisor, and the MoE aux losses' scale)."""
+    return tuple((tuple(t.shape), t.dtype) if t is not None else None for t in inputs) + (micro_batches,)
+
+
+@contextmanager
+def _saved_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
+    """Bytes of each storage autograd saves inside the block, parameters aside."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen

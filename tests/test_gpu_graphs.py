@@ -1,0 +1,135 @@
+"""CUDA graphs of a one-stage micro-batch (runtime.cuda_graphs) on the GPU machine: replayed
+steps equal the single-process reference (loss, every gradient, weights), MoE counters keep
+counting across replays, and programs a graph cannot hold run eagerly."""
+import pytest
+import torch
+
+from raypar.data import SampleOrder
+from raypar.reference import ReferenceTrainer
+
+from helpers import assert_same, start_group_on, step_both, synthetic_data, tiny_config
+from test_moe import ADAM_EPS, MOE
+from tolerances import Tolerances
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+
+
+def _run(cfg, tmp_path, plan, check_step):
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=cfg.train.seed)
+    ref = ReferenceTrainer(cfg, device="cuda")
+    group = start_group_on(cfg, dataset, "cuda")
+    try:
+        tol = Tolerances(ref)
+        for step, (schedule, m) in enumerate(plan):
+            loss, grads, ref_loss, ref_grads, reports = step_both(group, ref, dataset, order, step, schedule, m,
+                                                                  device="cuda", tol=tol)
+            where = f"step {step} ({schedule}, {m} micro-batches)"
+            assert abs(loss - ref_loss) <= tol.loss, f"{where}: loss {loss} vs {ref_loss}"
+            assert_same(grads, ref_grads, tol.grads, where)
+            tol.check_weights(group.parameters(), ref.parameters(), where)
+            check_step(step, schedule, m, reports)
+    finally:
+        group.shutdown()
+
+
+def _steps(cfg, tmp_path, plan):
+    """Run `plan` on a worker group: each step's loss and gradients, the reports, the weights."""
+    from raypar.data import split_batch
+    from raypar.driver.stats import step_loss
+    from raypar.schedule import build_programs
+
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=cfg.train.seed)
+    group = start_group_on(cfg, dataset, "cuda")
+    grid, gbs, out = group.grid, cfg.train.global_batch_size, []
+    try:
+        for step, (schedule, m) in enumerate(plan):
+            batch = order.indices(step * gbs, gbs)
+            programs = build_programs(schedule, grid.pp, m)
+            if group.programs != programs:
+                group.set_programs(programs)
+            reports = group.run_step(step, [split_batch(batch, grid.data_parallel_size, grid.data_rank(c))
+                                            for c in grid.coords()], capture_grads=True)
+            grads = {n: g for r in reports for n, g in r.grads.items()}
+            out.append((step_loss(reports), grads, reports))
+        return out, group.parameters()
+    finally:
+        group.shutdown()
+
+
+def _moe_config(tmp_path, dtype, top_k, graphs=True):
+    return tiny_config(tmp_path, model={**MOE, "moe_top_k": top_k, "moe_ffn_dim": 64, "dropout": 0.1, "dtype": dtype},
+                       parallel={"dp": 1, "pp": 1, "ep": 2, "microbatches": 4},
+                       train={"global_batch_size": 16, "eps": ADAM_EPS},
+                       runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs})
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
+    """pp=1 x ep=2 in bf16 (grouped GEMMs), padded all-to-alls inside the graphs, dropout on:
+    1F1B steps replay (the second count recaptures) and give the eager run's losses,
+    gradients and weights; fthenb keeps every micro-batch live and runs eagerly. The MoE
+    counters count every replay."""
+    _need_gpus(2)
+    plan = [("1f1b", 4), ("1f1b", 4), ("fthenb", 4), ("1f1b", 2), ("1f1b", 2)]
+    graphed, graphed_weights = _steps(_moe_config(tmp_path / "graphs", "bfloat16", top_k), tmp_path / "graphs", plan)
+    eager, eager_weights = _steps(_moe_config(tmp_path / "eager", "bfloat16", top_k, graphs=False),
+                                  tmp_path / "eager", plan)
+    tokens_per_rank = 16 // 2 * 8 * top_k  # samples per rank x seq_len x choices (dropless)
+    for step, ((schedule, m), (loss, grads, reports), (eager_loss, eager_grads, eager_reports)) in enumerate(
+            zip(plan, graphed, eager)):
+        where = f"step {step} ({schedule}, {m})"
+        assert [r.graphed_microbatches for r in reports] == [m if schedule == "1f1b" else 0] * 2, where
+        assert [r.graphed_microbatches for r in eager_reports] == [0, 0], where
+        assert loss == pytest.approx(eager_loss, rel=1e-3), where
+        for name, g in eager_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"{where} {name}: {m_}")
+        for r, e in zip(reports, eager_reports):
+            assert {k: sum(v) for k, v in r.expert_tokens.items()} == {"0": tokens_per_rank, "1": tokens_per_rank}
+            assert r.alltoall_bytes == e.alltoall_bytes > 0, where
+    for name, w in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
+
+
+def test_fp32_moe_on_gpu_runs_eagerly_and_matches_reference(ray_session, tmp_path):
+    """An fp32 model on a GPU has ops a graph cannot capture (the experts' loop reads the
+    group sizes on the host): capture fails on every rank alike, and the run goes on
+    eagerly, equal to the reference."""
+    _need_gpus(2)
+
+    def check(step, schedule, m, reports):
+        assert [r.graphed_microbatches for r in reports] == [0, 0], step
+
+    _run(_moe_config(tmp_path, "float32", 2), tmp_path, [("1f1b", 4), ("1f1b", 4)], check)
+
+
+def test_graphed_bf16_dense_dp2_sharded_equals_eager(ray_session, tmp_path):
+    """dp=2 with the sharded optimizer in bf16: the step's last micro-batch runs eagerly so
+    its backward queues the reduce-scatters as buckets fill (none is captured); the others
+    replay. Losses, gradients and weights equal the eager run's."""
+    _need_gpus(2)
+
+    def cfg(name, graphs):
+        return tiny_config(tmp_path / name, model={"dropout": 0.1, "dtype": "bfloat16"},
+                           parallel={"dp": 2, "pp": 1, "shard_optimizer": True, "grad_bucket_mb": 0.02},
+                           train={"global_batch_size": 16},
+                           runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs})
+
+    plan = [("1f1b", 4), ("1f1b", 4), ("1f1b", 4), ("1f1b", 2)]
+    graphed, graphed_weights = _steps(cfg("graphs", True), tmp_path / "graphs", plan)
+    eager, eager_weights = _steps(cfg("eager", False), tmp_path / "eager", plan)
+    for step, ((_, m), (loss, grads, reports), (eager_loss, eager_grads, _)) in enumerate(zip(plan, graphed, eager)):
+        assert [r.graphed_microbatches for r in reports] == [m - 1] * 2, step
+        if step in (1, 2):  # the program learnt its counts the step before
+            assert all(r.buckets_early > 0 for r in reports), [(r.buckets, r.buckets_early) for r in reports]
+        assert loss == pytest.approx(eager_loss, rel=1e-3), step
+        for name, g in eager_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"step {step} {name}: {m_}")
+    for name, w in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)

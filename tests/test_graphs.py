@@ -1,0 +1,64 @@
+"""CUDA graphs of a one-stage micro-batch: where they apply, and what the CPU side of them
+keeps true (counters and gradients that stay put). Capture and replay themselves run on the
+GPU machine (tests/test_gpu_graphs.py)."""
+import pytest
+import torch
+
+from raypar.model.moe import MoEStats
+from raypar.runtime.graphs import graphs_blocked
+from raypar.runtime.memory import ActivationTracker
+from raypar.schedule import build_programs
+from raypar.topology import Grid
+
+from helpers import tiny_config
+
+CUDA = torch.device("cuda")  # only its type is read: no GPU needed
+
+
+def _blocked(tmp_path, schedule="1f1b", m=4, grid=(1, 1, 1), device=CUDA, **sections):
+    dp, pp, ep = grid
+    cfg = tiny_config(tmp_path, parallel={"dp": dp, "pp": pp, "ep": ep}, **sections)
+    return graphs_blocked(cfg, Grid(dp, pp, ep), build_programs(schedule, pp, m)[0], device)
+
+
+def test_a_whole_model_stage_running_1f1b_on_gpu_takes_graphs(tmp_path):
+    assert _blocked(tmp_path) is None
+    assert _blocked(tmp_path, grid=(2, 1, 1)) is None
+    assert _blocked(tmp_path, grid=(1, 1, 2), model={"n_experts": 4}) is None  # padded all-to-alls
+
+
+@pytest.mark.parametrize("case, why", [
+    (dict(device=torch.device("cpu")), "not on a GPU"),
+    (dict(runtime={"cuda_graphs": False}), "runtime.cuda_graphs is off"),
+    (dict(grid=(1, 2, 1)), "parallel.pp > 1"),
+    (dict(runtime={"recompute": "block"}), "runtime.recompute"),
+    (dict(grid=(1, 1, 2), model={"n_experts": 4}, runtime={"moe_alltoall": "exact"}), "moe_alltoall=exact"),
+    (dict(schedule="fthenb"), "backward right after its forward"),
+    (dict(schedule="zb-h1"), "splits backward into I and W"),
+], ids=["cpu", "off", "pp2", "recompute", "exact", "fthenb", "zb"])
+def test_what_keeps_a_program_eager_is_named(tmp_path, case, why):
+    assert why in _blocked(tmp_path, **case)
+
+
+def test_moe_counters_accumulate_in_place_across_steps():
+    """A replayed graph adds into the tensors it captured: reset zeroes them, never replaces them."""
+    stats = MoEStats()
+    stats.add(torch.tensor([1, 2, 0]), torch.tensor(3))
+    routed, dropped = stats.routed, stats.dropped
+    stats.add(torch.tensor([1, 0, 1]), torch.tensor(1))
+    assert routed.tolist() == [2, 2, 1] and int(dropped) == 4
+    stats.alltoall_bytes = 10
+    stats.reset()
+    assert stats.routed is routed and stats.dropped is dropped
+    assert routed.tolist() == [0, 0, 0] and int(dropped) == 0 and stats.alltoall_bytes == 0
+
+
+def test_graphed_microbatches_count_in_live_activations():
+    tracker = ActivationTracker([])
+    tracker.hold_graphed(0, 1000)
+    tracker.hold_graphed(1, 500)
+    assert tracker.sample() == 1500 and tracker.live_microbatches() == 2
+    tracker.backward_done(0)
+    assert tracker.sample() == 500 and tracker.peak_bytes == 1500 and tracker.live_microbatches() == 1
+    tracker.clear()
+    assert tracker.live_bytes() == 0
