@@ -172,10 +172,10 @@ def peak_flops(ctx: "Context") -> float:
 def params_per_gpu(cfg: "Config") -> list[int]:
     """Parameters one worker of each pipeline stage holds (its expert share, replicated dense layers)."""
     from raypar.model import Transformer, num_params
-    from raypar.model.partition import split_layers
+    from raypar.model.partition import split_layers, stage_layers
 
     p = cfg.parallel
-    ranges = split_layers(cfg.model.n_layers, p.pp, p.layers_per_stage)
+    ranges = split_layers(cfg.model.n_layers, p.pp, stage_layers(cfg.model, p.pp, p.layers_per_stage))
     out = []
     with torch.device("meta"):
         for s, layers in enumerate(ranges):

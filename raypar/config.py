@@ -74,7 +74,10 @@ class ParallelConfig:
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that
     schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2"] = "1f1b"
     microbatches: int = 1  # per data-parallel replica and step
-    layers_per_stage: list[int] | None = None  # None: as even as possible
+    # Layers of each pipeline stage: None, as even as possible (extra layers to the middle
+    # stages); "auto", balanced by modelled FLOPs so that the last stage's head does not make
+    # it the slowest (any pp, also after an elastic re-plan); or a list, one count per stage.
+    layers_per_stage: list[int] | Literal["auto"] | None = None
     # Split the fp32 masters and AdamW moments over the workers that hold the same weights
     # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
     shard_optimizer: bool = False
@@ -347,7 +350,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         non_none = [a for a in args if a is not type(None)]
-        return _coerce(non_none[0], value, key)
+        errors = []
+        for option in non_none:  # the first that takes the value
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}={value!r} fits none of: " + "; ".join(errors))
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -485,7 +494,7 @@ def validate(cfg: Config) -> None:
             f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "
             f"use parallel.pp <= {m.n_layers}"
         )
-    if p.layers_per_stage is not None:
+    if isinstance(p.layers_per_stage, list):
         if len(p.layers_per_stage) != p.pp:
             raise ConfigError(f"parallel.layers_per_stage has {len(p.layers_per_stage)} entries but parallel.pp={p.pp}")
         if any(n < 1 for n in p.layers_per_stage):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from raypar.config import ModelConfig
+from raypar.model.partition import balanced_layers
 from raypar.model import (
     PartitionError,
     RMSNorm,
@@ -21,6 +22,8 @@ from raypar.model import (
     split_layers,
     stage_param_names,
 )
+
+from helpers import tiny_config
 
 B, T = 2, 8
 
@@ -361,6 +364,53 @@ def test_split_uneven(n_layers, n_stages, expected):
     ranges = split_layers(n_layers, n_stages)
     assert _counts(ranges) == expected
     assert [i for r in ranges for i in r] == list(range(n_layers))
+
+
+def _stage_costs(cfg, counts):
+    from raypar.model.transformer import head_flops, layer_flops
+
+    costs, start = [], 0
+    for c in counts:
+        costs.append(sum(layer_flops(cfg, i, cfg.max_seq_len) for i in range(start, start + c)))
+        start += c
+    costs[-1] += head_flops(cfg)
+    return costs
+
+
+def _compositions(n, k):
+    if k == 1:
+        yield [n]
+        return
+    for first in range(1, n - k + 2):
+        for rest in _compositions(n - first, k - 1):
+            yield [first, *rest]
+
+
+@pytest.mark.parametrize("model, n_stages", [
+    ({"n_layers": 4, "vocab_size": 512}, 2), ({"n_layers": 7, "vocab_size": 2048}, 3), ({"n_layers": 6}, 4),
+    ({"n_layers": 8, "vocab_size": 1024, "n_experts": 4, "moe_every": 2}, 3), ({"n_layers": 5}, 5),
+], ids=["head-heavy", "head-heavier", "tiny-head", "moe-every-2", "one-each"])
+def test_auto_split_makes_the_costliest_stage_as_cheap_as_any_split(tmp_path, model, n_stages):
+    """Against every contiguous split of whole layers (brute force), by the same cost model."""
+    cfg = tiny_config(tmp_path, model=model, parallel={"pp": n_stages}).model
+    auto = balanced_layers(cfg, n_stages)
+    assert len(auto) == n_stages and sum(auto) == cfg.n_layers and min(auto) >= 1
+    best = min(max(_stage_costs(cfg, c)) for c in _compositions(cfg.n_layers, n_stages))
+    assert max(_stage_costs(cfg, auto)) == best
+
+
+def test_auto_split_of_the_1b_config_moves_layers_off_the_head_stage():
+    from raypar.config import load_config
+
+    cfg = load_config("configs/gpt-1b.yaml", []).model
+    assert (balanced_layers(cfg, 2), balanced_layers(cfg, 4)) == ([8, 6], [4, 4, 4, 2])
+    even = max(_stage_costs(cfg, [7, 7]))
+    assert max(_stage_costs(cfg, [8, 6])) < even
+
+
+def test_auto_split_of_the_equivalence_grid(tmp_path):
+    """tests/test_pipeline_equivalence.py's pp2-auto-3-1 grid really is uneven."""
+    assert balanced_layers(tiny_config(tmp_path, model={"n_layers": 4, "vocab_size": 512}).model, 2) == [3, 1]
 
 
 def test_split_explicit():

@@ -16,7 +16,8 @@ GRIDS = {
     "pp1": dict(model={"n_layers": 4}, parallel={"pp": 1}),
     "pp2": dict(model={"n_layers": 4}, parallel={"pp": 2}),
     "pp4": dict(model={"n_layers": 4}, parallel={"pp": 4}),
-    "pp2-uneven-3-1": dict(model={"n_layers": 4}, parallel={"pp": 2, "layers_per_stage": [3, 1]}),
+    # A vocabulary whose head costs ~1.5 layers: "auto" splits 4 layers as [3, 1] (test_model).
+    "pp2-auto-3-1": dict(model={"n_layers": 4, "vocab_size": 512}, parallel={"pp": 2, "layers_per_stage": "auto"}),
     "pp3-uneven-1-3-1": dict(model={"n_layers": 5}, parallel={"pp": 3, "layers_per_stage": [1, 3, 1]}),
     # Dropout masks follow the sample (per-sample seeds), so replicas, micro-batches and
     # recompute all draw the reference's masks.

@@ -69,3 +69,13 @@ def test_a_recovery_record_times_its_phases():
     d = recovery.to_dict()
     assert d["workers_kept"] == 3 and d["resumed_step"] == 4 and d["grid"] == "dp=1 x pp=2 x ep=1"
     assert not {"detected_at", "running_at", "steps_done"} & set(d)  # clock readings stay inside
+
+
+def test_a_listed_split_keeps_its_depth_and_auto_splits_any():
+    """Re-planning on 1 worker slot needs pp=1: a listed layers_per_stage belongs to pp=2,
+    "auto" balances whatever depth the plan takes."""
+    from raypar.driver.policies import plan_grid
+
+    assert plan_grid(config(parallel={"dp": 1, "pp": 2, "layers_per_stage": [3, 1]}), workers=1) is None
+    plan = plan_grid(config(parallel={"dp": 1, "pp": 2, "layers_per_stage": "auto"}), workers=1)
+    assert plan is not None and plan.grid == Grid(1, 1, 1)

@@ -27,8 +27,8 @@ def _fits(cfg: Config, grid: Grid, microbatch_size: int) -> Plan | None:
     m = cfg.model
     if grid.pp > m.n_layers or (m.n_experts and m.n_experts % grid.ep) or (not m.n_experts and grid.ep > 1):
         return None
-    if cfg.parallel.layers_per_stage is not None and grid.pp != cfg.parallel.pp:
-        return None  # an explicit split belongs to its pipeline depth
+    if isinstance(cfg.parallel.layers_per_stage, list) and grid.pp != cfg.parallel.pp:
+        return None  # an explicit split belongs to its pipeline depth ("auto" splits any)
     share, rest = divmod(cfg.train.global_batch_size, grid.data_parallel_size)
     if rest or share == 0:
         return None

@@ -7,9 +7,10 @@ import torch
 
 from raypar.config import ModelConfig
 from raypar.model.experts import unstacked
-from raypar.model.transformer import Transformer, init_weights
+from raypar.model.transformer import Transformer, head_flops, init_weights, layer_flops
 
-__all__ = ["PartitionError", "split_layers", "build_stage", "stage_param_names", "stage_param_shapes"]
+__all__ = ["PartitionError", "split_layers", "balanced_layers", "stage_layers", "build_stage", "stage_param_names",
+           "stage_param_shapes"]
 
 
 class PartitionError(ValueError):
@@ -69,9 +70,52 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] |
     return ranges
 
 
-def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None,
+def balanced_layers(cfg: ModelConfig, n_stages: int) -> list[int]:
+    """Layers per stage (`parallel.layers_per_stage: auto`) that make the costliest stage as
+    cheap as contiguous whole layers allow, by modelled training FLOPs per token: each
+    block's (`layer_flops`, attention at model.max_seq_len; MoE layers by their top_k
+    experts) and the head's on the last stage (the embedding is a lookup). Among splits
+    with the same costliest stage, the most even one. E.g. `configs/gpt-1b.yaml` (14 layers,
+    a head costing 1.2 layers): [8, 6] on 2 stages, [4, 4, 4, 2] on 4, whose costliest
+    stages carry 8 and 4 layers' work against the even splits' 8.2 and 4.2."""
+    n = cfg.n_layers
+    if not 1 <= n_stages <= n:
+        raise PartitionError(f"cannot split {n} layers into {n_stages} pipeline stages: use 1 to {n} stages")
+    prefix = [0]
+    for i in range(n):
+        prefix.append(prefix[-1] + layer_flops(cfg, i, cfg.max_seq_len))
+    head = head_flops(cfg)
+    # best[k][j]: (costliest stage, sum of squared stage costs) of layers 0..j-1 on k stages.
+    best: list[list[tuple[int, int] | None]] = [[None] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev is None:
+                    continue
+                cost = prefix[j] - prefix[i] + (head if k == n_stages else 0)
+                cand = (max(prev[0], cost), prev[1] + cost * cost)
+                if best[k][j] is None or cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    counts, j = [], n
+    for k in range(n_stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def stage_layers(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[int] | None:
+    """The explicit split `layers_per_stage` stands for on `n_stages` stages: "auto" is
+    `balanced_layers`, a list itself, None the even split (`split_layers`)."""
+    return balanced_layers(cfg, n_stages) if layers_per_stage == "auto" else layers_per_stage
+
+
+def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None,
                   ep_rank: int = 0, ep_size: int = 1) -> Transformer:
-    ranges = split_layers(cfg.n_layers, n_stages, layers_per_stage)
+    ranges = split_layers(cfg.n_layers, n_stages, stage_layers(cfg, n_stages, layers_per_stage))
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
     return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
@@ -82,7 +126,7 @@ def build_stage(
     cfg: ModelConfig,
     stage: int,
     n_stages: int,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | str | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
     ep_rank: int = 0,
@@ -107,14 +151,14 @@ def build_stage(
 
 
 def stage_param_names(
-    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None
 ) -> list[str]:
     """Global parameter names of a stage, without allocating any tensor."""
     return [name for name, _, _ in stage_param_shapes(cfg, stage, n_stages, layers_per_stage)]
 
 
 def stage_param_shapes(
-    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None,
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None,
     ep_rank: int = 0, ep_size: int = 1,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""

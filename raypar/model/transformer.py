@@ -262,20 +262,27 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
                 p[index].copy_(values.to(p.dtype))
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), for MFU.
-
-    6 * matmul parameters a token passes through (attention and MLP projections of every
-    layer, for MoE layers the router and top_k experts, plus the head; the embedding is a
-    lookup) + 12 * n_layers * dim * seq_len for attention scores and values.
-    """
+def layer_flops(cfg: ModelConfig, layer_id: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward) of one block: 6 x the matmul parameters
+    a token passes through (attention projections; the MLP, or for an MoE layer the router
+    and top_k experts) + 12 x dim x seq_len for attention scores and values."""
     hd = cfg.dim // cfg.n_heads
     attn = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.kv_heads * hd
-    dense_mlp = 3 * cfg.dim * cfg.hidden_dim
-    moe_mlp = cfg.dim * cfg.n_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim)
-    mlp = sum(moe_mlp if cfg.is_moe_layer(i) else dense_mlp for i in range(cfg.n_layers))
-    matmul_params = cfg.n_layers * attn + mlp + cfg.dim * cfg.vocab_size
-    return float(6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len)
+    if cfg.is_moe_layer(layer_id):
+        mlp = cfg.dim * cfg.n_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim)
+    else:
+        mlp = 3 * cfg.dim * cfg.hidden_dim
+    return 6 * (attn + mlp) + 12 * cfg.dim * seq_len
+
+
+def head_flops(cfg: ModelConfig) -> int:
+    """Training FLOPs per token of the output head (the embedding is a lookup: none)."""
+    return 6 * cfg.dim * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of the whole model, for MFU."""
+    return float(sum(layer_flops(cfg, i, seq_len) for i in range(cfg.n_layers)) + head_flops(cfg))
 
 
 def num_params(module: nn.Module) -> int:
