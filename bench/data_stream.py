@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -116,21 +114,17 @@ def main() -> None:
     corpus = write_corpus(args.work, args.corpus_gb, args.cpu)
     print(f"corpus: {corpus['samples']:,} samples, {corpus['bytes'] / 2**30:.2f} GiB in {corpus['files']} files, "
           f"written in {corpus['write_s']:.1f} s", flush=True)
+    # Imported here: a launch runs this file under the baseline's `bench` package, which may lack it.
+    from bench.launches import run_launch
+
     results = []
     kinds += [BASELINE] if args.baseline else []
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
             tree = args.baseline.resolve() if kind == BASELINE else ROOT
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(args.out),
-                                   "--launch", kind, "--steps", str(args.steps), "--work", str(args.work),
-                                   *(["--cpu"] if args.cpu else [])],
-                                  cwd=tree, env=env, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("LAUNCH ")), None)
-            if line is None:
-                print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-                raise SystemExit(f"launch {kind} of round {r} failed (exit {proc.returncode})")
-            res = {**json.loads(line[len("LAUNCH "):]), "round": r}
+            res = {**run_launch([str(Path(__file__).resolve()), "--out", str(args.out), "--launch", kind,
+                                 "--steps", str(args.steps), "--work", str(args.work), *(["--cpu"] if args.cpu else [])],
+                                tree, f"{kind} of round {r}"), "round": r}
             results.append(res)
             # After every launch, so that a call cut short still leaves what it measured.
             (args.out / "data_stream.json").write_text(json.dumps({"corpus": corpus, "launches": results}, indent=1))

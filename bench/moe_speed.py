@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from bench.launches import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = ["parallel.pp=1", "parallel.ep=2", "train.global_batch_size=32"]
@@ -92,17 +91,11 @@ def main() -> None:
         moe = moe if r % 2 == 0 else moe[::-1]
         for kind in ["dense", *moe] if "dense" in kinds else moe:
             tree = args.baseline.resolve() if kind == "moe-baseline" else ROOT
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
-            proc = subprocess.run([sys.executable, "-m", "bench.moe_speed", "--out", str(args.out),
-                                   "--launch", "moe-kernels-on" if kind == "moe-baseline" or kind in variants else kind,
-                                   *(["--overrides", variants[kind]] if kind in variants else []),
-                                   "--steps", str(args.steps), "--work", str(args.work / f"round{r}" / kind)],
-                                  cwd=tree, env=env, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("LAUNCH ")), None)
-            if line is None:
-                print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-                raise SystemExit(f"launch {kind} of round {r} failed (exit {proc.returncode})")
-            res = {**json.loads(line[len("LAUNCH "):]), "round": r, "kind": kind}
+            res = {**run_launch(["-m", "bench.moe_speed", "--out", str(args.out),
+                                 "--launch", "moe-kernels-on" if kind == "moe-baseline" or kind in variants else kind,
+                                 *(["--overrides", variants[kind]] if kind in variants else []),
+                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}" / kind)],
+                                tree, f"{kind} of round {r}"), "round": r, "kind": kind}
             results.append(res)
             print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
                   f"MFU {res['mfu']:.3f}, exposed all-to-all {res.get('exposed_alltoall_share', 0):.1%}", flush=True)

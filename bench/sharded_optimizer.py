@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from bench.launches import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -76,15 +75,9 @@ def main() -> None:
     results = []
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            proc = subprocess.run([sys.executable, "-m", "bench.sharded_optimizer", "--out", str(args.out),
-                                   "--launch", kind, "--steps", str(args.steps),
-                                   "--work", str(args.work / f"round{r}"), *(["--cpu"] if args.cpu else [])],
-                                  cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("LAUNCH ")), None)
-            if line is None:
-                print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-                raise SystemExit(f"launch {kind} of round {r} failed (exit {proc.returncode})")
-            res = {**json.loads(line[len("LAUNCH "):]), "round": r}
+            res = {**run_launch(["-m", "bench.sharded_optimizer", "--out", str(args.out), "--launch", kind,
+                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
+                                 *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
             results.append(res)
             print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
                   f"optimizer {max(res['optimizer_bytes']) / 2**20:,.0f} MiB per worker, "

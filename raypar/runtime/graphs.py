@@ -20,6 +20,7 @@ What a replay relies on, and how the stage keeps it true:
 """
 from __future__ import annotations
 
+import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
@@ -101,7 +102,7 @@ class MicroBatchGraph:
             reset()
             for c, n in zip(self._counters, before):
                 c.alltoall_bytes = n
-            raise GraphCaptureError(str(e).splitlines()[0]) from e
+            raise GraphCaptureError(f"{str(e).splitlines()[0]}{_where(e)}") from e
         self._forward_bytes = [m - b for m, b in zip(middle, before)]
         self._backward_bytes = [a - m for a, m in zip(after, middle)]
         for c, n in zip(self._counters, before):  # capture ran no exchange: replays count them
@@ -114,7 +115,7 @@ class MicroBatchGraph:
                 static.copy_(t, non_blocking=True)
         self._forward.replay()
         self._advance(self._forward_bytes)
-        return self._loss.detach().clone()  # the next replay overwrites the captured one
+        return self._loss.clone()  # the next replay overwrites the captured one
 
     def backward(self) -> None:
         """Replay the backward of the last forward: gradients accumulate where eager ones would."""
@@ -133,6 +134,12 @@ def graph_key(inputs: Sequence[Tensor | None], micro_batches: int) -> tuple:
     """What a captured graph is valid for: its inputs' shapes and dtypes, and the micro-batches
     per step (the loss's divisor, and the MoE aux losses' scale)."""
     return tuple((tuple(t.shape), t.dtype) if t is not None else None for t in inputs) + (micro_batches,)
+
+
+def _where(e: BaseException) -> str:
+    """ ' (file:line, code)' of the last frame outside installed packages: the op that failed."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" not in f.filename]
+    return f" ({frames[-1].filename}:{frames[-1].lineno}, {frames[-1].line})" if frames else ""
 
 
 @contextmanager

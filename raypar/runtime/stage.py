@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -536,11 +535,8 @@ class StageRuntime:
         except GraphCaptureError as e:
             # Every rank runs the same ops, so every rank fails here and goes on eagerly.
             self.graphs_blocked = f"capture failed: {e}"
-            frames = traceback.extract_tb(e.__cause__.__traceback__) if e.__cause__ is not None else []
-            ours = [f for f in frames if "site-packages" not in f.filename]  # the project's last frame
-            where = ours[-1] if ours else None
-            print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}"
-                  + (f" ({where.filename}:{where.lineno}, {where.line})" if where else ""), file=sys.stderr, flush=True)
+            print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
+                  file=sys.stderr, flush=True)
             return None
         return self._graph
 
