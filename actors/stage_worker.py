@@ -193,7 +193,9 @@ class StageWorker:
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "gpu": self.gpu_id, "backend": backend,
                 "kernels": kernel_status,
-                "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None}
+                "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+                "device_memory_bytes": (torch.cuda.get_device_properties(self.device).total_memory
+                                        if self.device.type == "cuda" else None)}
 
     def set_program(self, version: int, program: list[Action]) -> None:
         """The program of this worker's stage; steps name it by `version` (sent once per plan)."""

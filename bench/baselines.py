@@ -47,7 +47,9 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "Step ms on the device: the slower stage's mean time from a step's first unit to the next step's, on its "
          "device (a long run's pace; over a dozen steps the host clock also moves with the host's lead); "
          "raypar / torch on the device: torch's over raypar's. With --repeats: the kept launches' ratio, then "
-         "raypar's over torch's launch by launch (each round runs both back to back) and the median of those.")
+         "raypar's over torch's launch by launch (each round runs both back to back) and the median of those. "
+         "raypar auto: parallel.schedule=auto, its first two steps timing zb-h1 (the choice from the second), against "
+         "the fastest schedule measured here (its tokens/s leave the first step out, as every row's do).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -94,6 +96,17 @@ def run(ctx: "Context") -> list[dict]:
                 rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
                     label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, zero_bubble=True,
                     breakdown=step_breakdown(c.runtime.run_dir)))
+            if launch == 0:
+                # parallel.schedule=auto: what it chose from its timed steps, against every schedule measured.
+                label = "raypar auto"
+                from raypar.driver.schedule_choice import TIMING_STEPS, TRIAL_STEPS
+
+                # Enough steps to time, try up to three finalists and run the choice for a while.
+                choice_steps = TIMING_STEPS + 3 * TRIAL_STEPS
+                c = ctx.config(["parallel.schedule=auto", "runtime.release=true"], label,
+                               steps=max(ctx.default_steps(), choice_steps + 4))
+                rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
+                    label, c, *ctx.fit(c, label), schedule=None, auto=True))
         # Both torch schedules in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
         rows += ctx.attempt("torch.distributed.pipelining " + " and ".join(names),
                             lambda: pipelining_rows(cfgs[schedules[0][0]], names, data_path, ctx))
@@ -198,6 +211,14 @@ def compare(rows: list[dict], cfg: "Config") -> None:
     for r in rows:
         if r.get("zero_bubble") and "tokens_per_s" in r and one_f_one_b is not None:
             r["vs_1f1b"] = r["tokens_per_s"] / one_f_one_b["tokens_per_s"]
+    measured = [r for r in rows if r.get("label") in {f"raypar {s}" for s, _ in SCHEDULES + [(z, "") for z in ZERO_BUBBLE]}
+                and "tokens_per_s" in r]
+    for r in rows:
+        if r.get("auto") and "tokens_per_s" in r and measured:
+            best = max(measured, key=lambda x: x["tokens_per_s"])
+            r["chosen"] = r["schedule_choices"][0]["schedule"] if r.get("schedule_choices") else None
+            r["best_measured"] = best["label"].removeprefix("raypar ")
+            r["vs_best_measured"] = r["tokens_per_s"] / best["tokens_per_s"]
     costs = next((r for r in rows if r.get("kind") == "stage_costs" and "gpu_ms" in r), None)
     for r in rows:
         if costs is not None and r.get("breakdown"):
@@ -445,31 +466,40 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
         return [{"label": label, "kind": "torch", "unavailable": "needs 2 GPUs (one per stage)"} for label in labels]
     device = "cpu" if ctx.cpu else "cuda"
     spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    port = _free_port()
-    procs = [spawn.Process(target=pipelining_worker,
-                           args=(rank, port, cfg.to_dict(), schedules, data_path, device, queue, profile_dir),
-                           daemon=True) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + min(600.0, max(60.0, ctx.time_left()))
-    try:
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                rank, result = queue.get(timeout=1.0)
-                results[rank] = result
-                if "error" in result:
-                    deadline = min(deadline, time.monotonic() + 10.0)  # its peer may wait on it forever
-            except Empty:  # are the processes still alive?
-                if any(not p.is_alive() and i not in results for i, p in enumerate(procs)):
-                    deadline = min(deadline, time.monotonic() + 5.0)  # a result may still be in flight
-    finally:
+
+    def run_pair() -> tuple[dict[int, dict], list]:
+        queue = spawn.Queue()
+        port = _free_port()
+        procs = [spawn.Process(target=pipelining_worker,
+                               args=(rank, port, cfg.to_dict(), schedules, data_path, device, queue, profile_dir),
+                               daemon=True) for rank in range(2)]
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    failed = {r: res for r, res in results.items() if "error" in res}
+            p.start()
+        results: dict[int, dict] = {}
+        deadline = time.monotonic() + min(600.0, max(60.0, ctx.time_left()))
+        try:
+            while len(results) < 2 and time.monotonic() < deadline:
+                try:
+                    rank, result = queue.get(timeout=1.0)
+                    results[rank] = result
+                    if "error" in result:
+                        deadline = min(deadline, time.monotonic() + 10.0)  # its peer may wait on it forever
+                except Empty:  # are the processes still alive?
+                    if any(not p.is_alive() and i not in results for i, p in enumerate(procs)):
+                        deadline = min(deadline, time.monotonic() + 5.0)  # a result may still be in flight
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+        return results, procs
+
+    for attempt in range(2):
+        results, procs = run_pair()
+        failed = {r: res for r, res in results.items() if "error" in res}
+        # The port was free when picked, but something bound it before rank 0 did: pick another.
+        if not (attempt == 0 and any("EADDRINUSE" in res["error"] for res in failed.values())):
+            break
     if failed:
         rank, res = sorted(failed.items())[0]
         return [{"label": label, "kind": "torch", "error": f"rank {rank}: {res['error']}"[:800],
@@ -683,6 +713,9 @@ def table(rows: list[dict]) -> str:
             label += f"; ideal 2-stage {r['ideal_2_stage_tokens_per_s']:,.0f} tokens/s" if "ideal_2_stage_tokens_per_s" in r else ""
         if r.get("launches_measured", 1) > 1:
             label += f"; median of {r['launches_measured']} launches, spread {r['spread']:.0%}"
+        if r.get("auto") and "vs_best_measured" in r:
+            label += (f"; chose {r['chosen']} from its second step, {r['vs_best_measured']:.3f} of the best "
+                      f"schedule measured ({r['best_measured']})")
         on_device = device_step_ms(r)
         lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:.1f} | "
                      f"{f'{on_device:.1f}' if on_device else '-'} | "

@@ -71,8 +71,12 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
-    # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that
-    schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2"] = "1f1b"
+    # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
+    # auto: the first two steps on each grid time F, I and W (with zb-h1), then the fastest
+    # schedule the simulator predicts from them whose peak memory fits memory_budget_gb runs
+    schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2", "auto"] = "1f1b"
+    # Device memory a stage may hold, for schedule=auto; None: 90% of the device's (no limit on CPU)
+    memory_budget_gb: float | None = None
     microbatches: int = 1  # per data-parallel replica and step
     # Layers of each pipeline stage: None, as even as possible (extra layers to the middle
     # stages); "auto", balanced by modelled FLOPs so that the last stage's head does not make
@@ -429,6 +433,9 @@ def validate(cfg: Config) -> None:
                           f"checkpoint.timeout_s={c.timeout_s} > 0")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+        raise ConfigError(f"parallel.memory_budget_gb={p.memory_budget_gb} must be > 0 (GiB a stage may hold), or "
+                          "null for the device's memory")
     if r.profile_step is not None and r.profile_step < 0:
         raise ConfigError(f"runtime.profile_step={r.profile_step} must be a step number (0 or more), or null for none")
     if r.steps_ahead < 0:

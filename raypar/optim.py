@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.host_ema import HostEma
 from raypar.kernels import ema_update_
@@ -61,11 +62,9 @@ class MasterOptimizer:
             self.master = [p for _, p in self.named_params]
         decay = [m for (n, p), m in zip(self.named_params, self.master) if decays(n, p)]
         no_decay = [m for (n, p), m in zip(self.named_params, self.master) if not decays(n, p)]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = FusedAdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            fused=True,
-        )
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         self._init_state()
         # An exponential moving average of the fp32 masters (`enable_ema`), on their device
         # or in host memory (then `_host_ema` folds it).
@@ -113,11 +112,7 @@ class MasterOptimizer:
         """
         for group in self.optimizer.param_groups:
             for m in group["params"]:
-                self.optimizer.state[m] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=m.device),  # fused: fp32, on the device
-                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
-                }
+                self.optimizer.init_state(m)
 
     @staticmethod
     def _accumulate_into(master: torch.Tensor):

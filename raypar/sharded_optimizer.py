@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.model.experts import named_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
@@ -280,17 +281,12 @@ class ShardedOptimizer(MasterOptimizer):
         groups_ = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if ps]
         # A rank whose share holds nothing (more ranks than elements) still takes part in
         # the collectives; it just has no AdamW to run.
-        self.optimizer = torch.optim.AdamW(groups_, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           fused=True) if groups_ else None
+        self.optimizer = FusedAdamW(groups_, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps) if groups_ else None
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 for view in group["params"]:
                     family, seg = self._state_of[id(view)]
-                    self.optimizer.state[view] = {
-                        "step": torch.zeros((), dtype=torch.float32, device=view.device),
-                        "exp_avg": seg.of(family.exp_avg),
-                        "exp_avg_sq": seg.of(family.exp_avg_sq),
-                    }
+                    self.optimizer.init_state(view, seg.of(family.exp_avg), seg.of(family.exp_avg_sq))
 
     # -- the updated weights' all-gather, waited for where they are read ----------------
     #

@@ -97,7 +97,11 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert all(len(r["stages"]) == 2 and all(st["traced_ms"] > 0 for st in r["stages"]) for r in profiles)
     assert "One profiled step" in out.stdout
     rows = [r for r in rows if r.get("kind") not in ("stage_costs", "profile")]
-    assert len({r["label"] for r in rows}) == len(rows) == 8
+    assert len({r["label"] for r in rows}) == len(rows) == 9
+    # parallel.schedule=auto: chose one of the schedules the other rows ran, and says how it compares.
+    auto = next(r for r in rows if r["label"] == "raypar auto")
+    assert auto["chosen"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["schedule_choices"][0]["measured_step_s"]
+    assert auto["best_measured"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["vs_best_measured"] > 0
     for schedule in ("zb-h1", "zb-h2"):  # raypar's zero-bubble schedules beside its 1F1B
         zb = next(r for r in rows if r["label"] == f"raypar {schedule}")
         assert zb["config"]["parallel"]["schedule"] == schedule and zb["vs_1f1b"] > 0 and zb["vs_2_devices"] > 0
@@ -105,7 +109,7 @@ def _check_repeated_baselines(out, results: dict) -> None:
         assert zb["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)  # same model, same steps
     for r in rows:
         assert "error" not in r and "skipped" not in r, r
-        launches = 1 if r.get("zero_bubble") else 2  # the zero-bubble rows run in the first launch only
+        launches = 1 if r.get("zero_bubble") or r.get("auto") else 2  # these run in the first launch only
         assert r["launches"] == r["launches_measured"] == launches and len(r["tokens_per_s_launches"]) == launches
         assert min(r["tokens_per_s_launches"]) == r["tokens_per_s"] and r["spread"] >= 0
     ours = next(r for r in rows if r["label"] == "raypar 1f1b")

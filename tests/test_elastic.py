@@ -64,19 +64,21 @@ class KillAndWatchActors(KillWorker):
         self.after = [w._actor_id.hex() for w in trainer.group.workers]
 
 
-@pytest.mark.parametrize("grid, model, at, rank, memory_every, sharded", [
+@pytest.mark.parametrize("grid, model, at, rank, memory_every, sharded, schedule", [
     # With the optimizer sharded: the lost rank's share comes back from its peer's replica,
     # in flat pieces, and its data-parallel peer, waiting in a reduce-scatter, is kept.
-    ((2, 2, 1), None, 3, 1, 1, True),
-    ((2, 2, 1), None, 5, 0, 0, False),
-    ((1, 2, 2), MOE, 4, 2, 1, False),
-], ids=["dense-dp2pp2-sharded-step3-memory", "dense-dp2pp2-step5-storage", "moe-pp2ep2-step4-memory"])
+    ((2, 2, 1), None, 3, 1, 1, True, "1f1b"),
+    # parallel.schedule=auto: chosen at the start and again after the recovery, each time
+    # from steps timed with zb-h1; the losses stay the 1F1B reference's.
+    ((2, 2, 1), None, 5, 0, 0, False, "auto"),
+    ((1, 2, 2), MOE, 4, 2, 1, False, "1f1b"),
+], ids=["dense-dp2pp2-sharded-step3-memory", "dense-dp2pp2-step5-storage-auto", "moe-pp2ep2-step4-memory"])
 def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_path, data, grid, model, at, rank,
-                                                            memory_every, sharded, uninterrupted):
+                                                            memory_every, sharded, schedule, uninterrupted):
     reference = uninterrupted(grid, model)
     watch = KillAndWatchActors(at, rank)
     summary = Trainer(elastic_config(tmp_path, "killed", grid, model, memory_every=memory_every,
-                                     parallel={"shard_optimizer": sharded}),
+                                     parallel={"shard_optimizer": sharded, "schedule": schedule}),
                       callbacks=[watch]).fit()
     assert len(summary.recoveries) == 1
     event = summary.recoveries[0]
@@ -102,6 +104,27 @@ def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_pat
     assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
     assert summary.consumed_samples == reference.consumed_samples == 8 * 8
     assert "RECOVERING" in summary.controller_states and summary.controller_states[-1] == "FINISHED"
+    if schedule == "auto":
+        assert_auto_chose_on_each_grid_run(summary, event["resumed_step"])
+
+
+def assert_auto_chose_on_each_grid_run(summary, resumed_step: int) -> None:
+    """Each grid run (the start, and after the recovery) chooses afresh: its steps follow the
+    chooser's states (timing, trying the finalists, the choice) from its first step."""
+    from test_schedule_choice import assert_steps_follow_the_choice
+
+    runs: list[list] = []  # the records of each grid run: a step number going back starts the next
+    for r in summary.records:
+        if not runs or r.step <= runs[-1][-1].step:
+            runs.append([])
+        runs[-1].append(r)
+    assert [run[0].step for run in runs] == [0, resumed_step]
+    assert summary.schedule_choices, "no grid run got as far as choosing"
+    for run in runs:
+        # A run cut short by the kill may not have chosen yet.
+        choice = next((c for c in summary.schedule_choices if c["steps"][0] == run[0].step), None)
+        assert_steps_follow_the_choice([r.schedule for r in run], choice)
+    assert summary.schedule.startswith("auto: ")
 
 
 def test_recovery_before_any_checkpoint_starts_over_initialised(ray_session, tmp_path, data, uninterrupted):

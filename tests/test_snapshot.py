@@ -49,14 +49,18 @@ def test_layout_known_before_the_first_step_matches_the_state_after_it():
 
 def test_state_made_at_start_updates_as_adamws_own():
     """AdamW's moments are made when the optimizer is (not at its first step): three steps
-    give the same weights, moments and step counts as AdamW left to make them itself."""
+    give the same weights, moments and step counts as torch.optim.AdamW(fused=True) making
+    them itself at its first step."""
     for dtype in (torch.bfloat16, torch.float32):
         model, opt = trained(dtype)
         assert all(len(opt.optimizer.state[m]) == 3 for m in opt.master)
         torch.manual_seed(0)
         ref = TwoLayers(dtype)
-        ref_opt = MasterOptimizer(ref, TrainConfig(lr=1e-2, warmup_steps=0))
-        ref_opt.optimizer.state.clear()  # as torch.optim.AdamW: made at its first step
+        cfg = TrainConfig(lr=1e-2, warmup_steps=0)
+        ref_opt = MasterOptimizer(ref, cfg)
+        ref_opt.optimizer = torch.optim.AdamW(
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in ref_opt.optimizer.param_groups],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
         torch.manual_seed(0)
         TwoLayers(dtype)  # the same draws as trained()'s model
         ref(torch.randn(4, 6, dtype=dtype)).float().pow(2).mean().backward()

@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     from raypar.timeline import add_parser as add_timeline_parser
 
     add_timeline_parser(sub)
+    from raypar.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     prep = sub.add_parser("prepare-data", help="write a token dataset in raypar's Parquet format",
                           description="Tokenize text (files, JSON lines, Parquet or Arrow text columns, Hugging Face "
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may stand before or after options (`train --resume latest parallel.pp=2`).
     args, extra = parser.parse_known_args(argv)
-    if extra and (args.command != "train" or any("=" not in x or x.startswith("-") for x in extra)):
+    if extra and (args.command not in ("train", "plan") or any("=" not in x or x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]

@@ -34,10 +34,12 @@ from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, pla
 from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
 from raypar.driver.saver import Resumed, Saver
+from raypar.driver.schedule_choice import ScheduleChooser
 from raypar.driver.states import State, StateMachine
 from raypar.metrics import peak_flops_per_device
 from raypar.model import flops_per_token
 from raypar.resources import ResourceError, plan_resources
+from raypar.runtime.report import StepReport
 from raypar.schedule import build_programs, prepare
 from raypar.topology import Grid
 
@@ -47,6 +49,9 @@ WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ra
 
 # status.json is rewritten at most this often while steps run (and when the run ends).
 STATUS_EVERY_S = 1.0
+# parallel.schedule=auto's default memory budget: this share of the device's memory (the rest
+# for the caching allocator's fragmentation, NCCL's buffers and the CUDA context).
+DEVICE_MEMORY_SHARE = 0.9
 # Steps whose samples consumed the driver remembers for a recovery from memory: enough to
 # cover a replica that lags its owner's copies by as many steps as one replication takes.
 MEMORY_STEPS_KEPT = 256
@@ -104,6 +109,8 @@ class Controller:
         self._kernels_said = False
         self._flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self._peak_flops = 0.0  # per device, from the workers' devices once they are placed
+        # parallel.schedule=auto: each choice (one per grid run), with the costs and predictions behind it.
+        self.schedule_choices: list[dict] = []
         self._set_programs()
 
     def stop(self, save: bool) -> None:
@@ -124,12 +131,13 @@ class Controller:
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         records, consumed = self.run(dataset, order)
         summary = summarise(
-            records, grid=self.grid, schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
+            records, grid=self.grid, schedule=self._schedule_label(), microbatches=self.cfg.parallel.microbatches,
             device=self.device or "?", tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
             consumed=consumed, start_step=self.resumed.step,
             checkpoints=[{**asdict(c), "path": c.path and redact(c.path), "write_bytes_per_s": c.write_bytes_per_s}
                          for c in self.saver.results],
             checkpoints_skipped=self.saver.skipped, restarts=self.restarts, recoveries=self.recoveries,
+            schedule_choices=self.schedule_choices,
             controller_states=[state.value for _, state, _ in self.states.history])
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         self._notify("on_train_end", summary)
@@ -257,6 +265,8 @@ class Controller:
         (`checkpoint.when_busy=skip`) holds nothing back: the loop's own pauses (a write
         to the run's files while a save floods the disk) would show in that step.
         """
+        if self._choosing and inflight:
+            return False  # what the next step runs depends on the one in flight
         policy = self.saver.policy
         if not inflight or not policy.save_due(step + 1):
             return True
@@ -303,9 +313,13 @@ class Controller:
         # Each action's measured span, per worker: enough to redraw the step's timeline.
         events.add(sent.step, reports, self.grid)
         gbs = self.cfg.train.global_batch_size
-        return step_record(sent.step, reports, self.grid, self._sim_programs, self._last_step_done - started,
-                           tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs,
-                           flops_per_token=self._flops_per_token, peak_flops=self._peak_flops)
+        record = step_record(sent.step, reports, self.grid, self._sim_programs, self._last_step_done - started,
+                             tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs,
+                             flops_per_token=self._flops_per_token, peak_flops=self._peak_flops,
+                             schedule=self.schedule)
+        if self._choosing:
+            self._choice_step_done(sent.step, reports, record.step_time_s)
+        return record
 
     def _after_step(self, record: StepRecord, sent: InFlightStep, records: list[StepRecord], metrics: IO[str],
                     events: EventLog, overlapped: bool) -> None:
@@ -353,7 +367,7 @@ class Controller:
         resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
         self.states.to(State.STARTING, str(self.grid))
         self.device = resources.device
-        self.log(f"raypar: grid {self.grid} on {resources.device}, {self.cfg.parallel.schedule} with "
+        self.log(f"raypar: grid {self.grid} on {resources.device}, {self._schedule_label()} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
         path = self.saver.checkpoint_path(resume, self._recovery is not None)
         init_weights = path is None
@@ -371,6 +385,9 @@ class Controller:
         peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
         self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
         self.group.set_programs(self.programs)
+        if self.chooser is not None and not self.chooser.choosing:  # one stage: chosen without a step
+            self.schedule_choices.append({**self.chooser.choice, "steps": None})
+            self.log(f"raypar: parallel.schedule=auto runs {self.schedule} on {self.grid}: {self.chooser.choice['reason']}")
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             self.group.memory.set_peers()
         return path
@@ -430,9 +447,50 @@ class Controller:
         self._set_programs()
 
     def _set_programs(self) -> None:
+        """The configured schedule's programs for this grid; `auto`: those of the schedule
+        its chooser runs first (`raypar.driver.schedule_choice`)."""
+        auto = self.cfg.parallel.schedule == "auto"
+        self.chooser = ScheduleChooser(self.grid, self.cfg.parallel.microbatches) if auto else None
+        self.schedule = self.chooser.schedule if auto else self.cfg.parallel.schedule
+        self._build_programs()
+
+    @property
+    def _choosing(self) -> bool:
+        return self.chooser is not None and self.chooser.choosing
+
+    def _schedule_label(self) -> str:
+        """The schedule running, and how it came: "1f1b", "auto: 1f1b", "auto: timing zb-h1"."""
+        if self.chooser is None:
+            return self.schedule
+        return f"auto: {self.chooser.state + ' ' if self._choosing else ''}{self.schedule}"
+
+    def _build_programs(self) -> None:
         p = self.cfg.parallel
-        self.programs = build_programs(p.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release)
+        self.programs = build_programs(self.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release)
         self._sim_programs = prepare(self.programs)  # checked once; each step only times them
+
+    def _choice_step_done(self, step: int, reports: list[StepReport], step_time_s: float) -> None:
+        """`parallel.schedule: auto`: a step of the choice finished; run what the chooser says next."""
+        self.chooser.step_done(reports, self._sim_programs, step_time_s, self._memory_budget())
+        if not self.chooser.choosing:
+            # The steps the choice took: from the grid run's first to this one.
+            first = step - self.chooser.steps_run + 1
+            self.schedule_choices.append({**self.chooser.choice, "steps": [first, step]})
+            c = self.chooser.choice
+            self.log(f"raypar: parallel.schedule=auto chose {c['schedule']} on {self.grid}: {c['reason']}; costs "
+                     f"{self.chooser.costs.source}\n" + self.chooser.table())
+        if self.chooser.schedule != self.schedule:
+            self.schedule = self.chooser.schedule
+            self._build_programs()
+            self.group.set_programs(self.programs)
+
+    def _memory_budget(self) -> int | None:
+        """Bytes a stage may hold: parallel.memory_budget_gb, else DEVICE_MEMORY_SHARE of the
+        smallest device's memory (none on CPU)."""
+        if self.cfg.parallel.memory_budget_gb is not None:
+            return int(self.cfg.parallel.memory_budget_gb * 2**30)
+        sizes = [i["device_memory_bytes"] for i in self.group.info if i.get("device_memory_bytes")]
+        return int(DEVICE_MEMORY_SHARE * min(sizes)) if sizes else None
 
     def _slots(self, resources: dict[str, float]) -> int:
         return worker_slots(resources, self.cfg.runtime.cpus_per_worker, self._device())
@@ -542,6 +600,6 @@ class Controller:
     def _write_status(self, step: int, loss: float | None = None) -> None:
         self._status_written = time.monotonic()
         write_status(self.run_dir, run_dir=str(self.run_dir), state=self.states.state.value, grid=str(self.grid),
-                     schedule=self.cfg.parallel.schedule, microbatches=self.cfg.parallel.microbatches,
+                     schedule=self._schedule_label(), microbatches=self.cfg.parallel.microbatches,
                      device=self.device, step=step, total_steps=self.cfg.train.steps,
                      loss=loss, last_checkpoint=self.saver.last_committed(), restarts=self.restarts)

@@ -52,11 +52,12 @@ class StepRecord:
     # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
     mfu: float = 0.0
+    schedule: str = ""  # the schedule the step ran (parallel.schedule=auto changes it)
 
 
 def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prepared, step_time_s: float,
                 tokens: int, consumed_samples: int, flops_per_token: float = 0.0,
-                peak_flops: float = 0.0) -> StepRecord:
+                peak_flops: float = 0.0, schedule: str = "") -> StepRecord:
     """The record of one step from its completed reports; `tokens` per step, `consumed_samples`
     after it; `peak_flops` per device of the grid."""
     worker_time = max(r.wall_s for r in reports)
@@ -91,6 +92,7 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         graphed_microbatches=sum(r.graphed_microbatches for r in reports),
         stage_times=stage_times(reports, grid),
         mfu=mfu(tokens / step_time_s, flops_per_token, grid.size, peak_flops),
+        schedule=schedule,
     )
 
 
@@ -184,6 +186,8 @@ class RunSummary:
     restarts: int = 0  # times the workers were torn down after a failure
     recoveries: list[dict] = field(default_factory=list)  # per failure: `Recovery.to_dict()`
     controller_states: list[str] = field(default_factory=list)
+    # parallel.schedule=auto: per grid run, the schedule chosen, why, and the costs and predictions
+    schedule_choices: list[dict] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -236,6 +240,8 @@ class RunSummary:
                              f"{mean('copy_wait_s'):.2f} s, write {mean('write_s'):.2f} s, commit {mean('commit_s'):.2f} s")
             share = per_save / self.step_time_s * 100 if self.step_time_s else 0.0
             lines.append(f"checkpoint stall    {per_save * 1000:.1f} ms per save ({share:.2f}% of a step)")
+        for c in self.schedule_choices:
+            lines.append(f"schedule choice     {c['schedule']} on {c['grid']}: {c['reason']}")
         for r in self.recoveries:
             lines.append(f"recovery {r['restart']}          {r['error']} on {r['failed_grid']} -> {r['grid']}: detected in "
                          f"{r['detection_s']:.1f}s, recovered in {r['recovery_s']:.1f}s, {r['steps_lost']} steps redone")
@@ -252,7 +258,7 @@ def _mib(nbytes: float, digits: int = 2) -> str:
 def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatches: int, device: str,
               tokens_per_step: int, consumed: int, start_step: int, checkpoints: list[dict],
               checkpoints_skipped: int, restarts: int, recoveries: list[Recovery],
-              controller_states: list[str]) -> RunSummary:
+              controller_states: list[str], schedule_choices: list[dict] | None = None) -> RunSummary:
     # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
     steady = records[1:] if len(records) > 1 else records
     avg = lambda attr: fmean(getattr(r, attr) for r in steady) if steady else 0.0  # noqa: E731
@@ -295,6 +301,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         restarts=restarts,
         recoveries=[r.to_dict() for r in recoveries],
         controller_states=controller_states,
+        schedule_choices=schedule_choices or [],
         records=records,
     )
 

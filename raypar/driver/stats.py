@@ -7,6 +7,7 @@ from typing import Sequence
 
 from raypar.runtime.report import StepReport
 from raypar.schedule import Action, Op, Prepared, simulate
+from raypar.schedule.choice import UnitCosts, measured_costs
 from raypar.topology import Grid
 
 
@@ -96,3 +97,11 @@ def stage_times(reports: Sequence[StepReport], grid: Grid) -> list[WorkerTimes]:
         bwd = sum(s.seconds for s in r.events if s.op.is_backward)
         out.append(WorkerTimes(c.pp, c.dp, c.ep, fwd, bwd, max(0.0, (hi - lo) - fwd - bwd)))
     return out
+
+
+def report_costs(reports: list[StepReport], grid: Grid, programs: Prepared, schedule: str) -> UnitCosts:
+    """`measured_costs` of a step from its reports, run with `programs` of `schedule`."""
+    spans = [[(s.op, s.seconds) for r in reports if r.stage == stage for s in r.events] for stage in range(grid.pp)]
+    by_stage = lambda attr: [max(getattr(r, attr) for r in reports if r.stage == s) for s in range(grid.pp)]  # noqa: E731
+    return measured_costs(spans, programs.peak_live, by_stage("peak_activation_bytes"), by_stage("peak_device_bytes"),
+                          f"measured at step {reports[0].step} with {schedule}")

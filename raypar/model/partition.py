@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from raypar.config import ModelConfig
 from raypar.model.experts import unstacked
@@ -143,11 +144,25 @@ def build_stage(
     """
     with torch.device("meta"):
         model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
-    model.to_empty(device=device if device is not None else "cpu")
+    _allocate(model, torch.device(device if device is not None else "cpu"))
     model.reset_buffers()
     if init:
         init_weights(model, cfg, seed)
     return model
+
+
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)` for a model built on the meta device, by shape: to_empty's
+    empty_like runs meta tensors' Python kernels, whose first use imports sympy and torch's
+    compiler stack (over half a second of every worker's start on a 2-core machine)."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def stage_param_names(

@@ -153,7 +153,10 @@ class Transformer(nn.Module):
         self.on_block_input = None
 
         if has_embed:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
+            # Given its (uninitialised) weight, the embedding skips its own normal_ draw, which
+            # on the meta device imports torch's compiler stack (a second of every worker's start);
+            # init_weights fills it.
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim, dtype=dtype))
         self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size) for i in ids})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
@@ -163,7 +166,9 @@ class Transformer(nn.Module):
         # Non-persistent: derived from cfg, so they stay out of checkpoints and names.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.reset_buffers()
+        self._rope_cast: tuple[tuple, Tensor, Tensor] | None = None
+        if not self.rope_cos.is_meta:  # a meta build computes them after to_empty (build_stage)
+            self.reset_buffers()
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the rotary tables, e.g. after building on the meta device and `to_empty`."""

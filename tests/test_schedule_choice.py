@@ -1,0 +1,178 @@
+"""Choosing a schedule from unit costs (parallel.schedule=auto, `raypar plan`)."""
+from __future__ import annotations
+
+import pytest
+
+from raypar.driver.cli import main as cli_main
+from raypar.schedule import Op, ScheduleError
+from raypar.schedule.choice import (MEASURE_WITHIN, Prediction, UnitCosts, choose, finalists, format_table,
+                                    measured_costs, modelled_costs, predict, predict_all)
+
+MIB = 2**20
+
+
+def even(p: int, f: float = 1.0, i: float = 1.0, w: float = 1.0, **kw) -> UnitCosts:
+    return UnitCosts([f] * p, [i] * p, [w] * p, **kw)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_predictions_follow_the_known_formulas(p: int, m: int) -> None:
+    one_f_one_b = predict("1f1b", m, even(p))
+    assert one_f_one_b.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert one_f_one_b.step_s == pytest.approx((m + p - 1) * 3)
+    assert one_f_one_b.peak_live == [min(p - s, m) for s in range(p)]
+    assert predict("fthenb", m, even(p)).peak_live == [m] * p
+    # ZB-H1 at F = I = W: well under 1F1B's bubble, holding no more than 1F1B's first stage.
+    h1 = predict("zb-h1", m, even(p))
+    assert h1.bubble < 0.7 * one_f_one_b.bubble
+    assert max(h1.peak_live) <= p
+
+
+def test_peak_bytes_are_fixed_plus_live_times_per_microbatch() -> None:
+    costs = even(2, activation_bytes=[10 * MIB, 20 * MIB], fixed_bytes=[100 * MIB, 50 * MIB])
+    pred = predict("1f1b", 4, costs)
+    assert pred.peak_live == [2, 1]
+    assert pred.peak_bytes == [120 * MIB, 70 * MIB]
+    assert predict("fthenb", 4, costs).peak_bytes == [140 * MIB, 130 * MIB]
+
+
+def test_the_fastest_that_fits_the_budget_is_chosen() -> None:
+    costs = even(4, activation_bytes=[MIB] * 4, fixed_bytes=[0] * 4)
+    predictions = predict_all(8, costs)
+    assert [p.step_s for p in predictions] == sorted(p.step_s for p in predictions)
+    chosen, why = choose(predictions)
+    assert chosen.schedule == "zb-h2" and why.startswith("fastest predicted")
+    # ZB-H2 holds 7 micro-batches per stage, ZB-H1 4: a budget of 5 leaves ZB-H1.
+    chosen, why = choose(predictions, budget_bytes=5 * MIB)
+    assert chosen.schedule == "zb-h1"
+    assert "over the memory budget of 5.0 MiB: " in why and "zb-h2" in why and "fthenb" in why
+    table = format_table(predictions, chosen, 5 * MIB)
+    assert "zb-h1" in table.splitlines()[2] and "<- chosen" in table.splitlines()[2]
+    assert "(over budget)" in next(line for line in table.splitlines() if line.startswith("zb-h2"))
+
+
+def test_no_schedule_fitting_is_a_clear_error() -> None:
+    predictions = predict_all(8, even(2, activation_bytes=[MIB] * 2, fixed_bytes=[0] * 2))
+    with pytest.raises(ScheduleError, match=r"no schedule fits the memory budget of 1\.0 MiB: the least, 1f1b, "
+                                            r"needs 2\.0 MiB.*parallel\.memory_budget_gb"):
+        choose(predictions, budget_bytes=MIB)
+
+
+def test_ties_go_to_the_least_memory_then_the_simplest() -> None:
+    # One stage: every schedule takes the same time; 1F1B holds one micro-batch, fthenb all.
+    chosen, why = choose(predict_all(4, even(1)))
+    assert chosen.schedule == "1f1b" and "least memory" in why
+
+
+def test_finalists_are_run_and_the_fastest_measured_wins() -> None:
+    predictions = predict_all(8, even(4, activation_bytes=[MIB] * 4, fixed_bytes=[0] * 4))
+    fastest = min(p.step_s for p in predictions)
+    finals = finalists(predictions)
+    assert [p.schedule for p in finals] == [p.schedule for p in predictions if p.step_s <= fastest * (1 + MEASURE_WITHIN)]
+    assert finals[0].schedule == "zb-h2" and "1f1b" not in [p.schedule for p in finals]
+    # Measured, zb-h1 beats the predicted fastest: the measurement decides.
+    chosen, why = choose(predictions, measured={"zb-h2": 0.30, "zb-h1": 0.25})
+    assert chosen.schedule == "zb-h1" and why.startswith("fastest measured") and "zb-h1 250.0 ms, zb-h2 300.0 ms" in why
+    # Within 1% measured: the one holding less memory.
+    assert choose(predictions, measured={"zb-h2": 0.250, "zb-h1": 0.251})[0].schedule == "zb-h1"
+    # A measured schedule over the budget is not chosen however fast.
+    assert choose(predictions, budget_bytes=5 * MIB, measured={"zb-h2": 0.1, "zb-h1": 0.3})[0].schedule == "zb-h1"
+    table = format_table(predictions, chosen, measured={"zb-h1": 0.25})
+    assert "250.0 ms" in next(line for line in table.splitlines() if line.startswith("zb-h1"))
+
+
+def expected_steps(choice: dict) -> list[str]:
+    """The schedules a grid run's first steps run while choosing (`ScheduleChooser`)."""
+    from raypar.driver.schedule_choice import TIMING_SCHEDULE, TIMING_STEPS, TRIAL_STEPS
+
+    finals = finalists([Prediction(**p) for p in choice["predictions"]], choice["memory_budget_bytes"])
+    steps = [TIMING_SCHEDULE] * TIMING_STEPS
+    if len(finals) > 1:
+        steps += [s for p in finals if p.schedule != TIMING_SCHEDULE for s in [p.schedule] * TRIAL_STEPS]
+    return steps
+
+
+def assert_steps_follow_the_choice(schedules: list[str], choice: dict | None) -> None:
+    """One grid run's schedules, step by step: the choice's timing and trials, then the chosen
+    one. `choice` None: the run ended before choosing, in its first steps."""
+    if choice is None:
+        assert schedules[:2] == ["zb-h1"] * min(2, len(schedules)), schedules
+        return
+    steps = expected_steps(choice)
+    assert schedules[:len(steps)] == steps, (schedules, steps)
+    assert schedules[len(steps):] == [choice["schedule"]] * (len(schedules) - len(steps)), (schedules, choice)
+    assert set(choice["measured_step_s"]) == set(steps)
+    assert choice["steps"][1] - choice["steps"][0] + 1 == len(steps)
+
+
+def test_auto_times_tries_and_chooses_with_the_losses_of_a_fixed_schedule(ray_session, tmp_path, capsys) -> None:
+    """parallel.schedule=auto on pp=2: every step is a training step (the losses equal a 1F1B
+    run's), the steps follow the chooser, and `raypar plan --from-run` reads the costs back."""
+    from helpers import run_config
+
+    from raypar.data import write_synthetic_corpus
+    from raypar.driver.trainer import Trainer
+    from raypar.plan import run_costs
+
+    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
+    runs = {s: Trainer(run_config(tmp_path, s, (1, 2, 1), 10, parallel={"schedule": s}), log=lambda m: None).fit()
+            for s in ("1f1b", "auto")}
+    auto = runs["auto"]
+    assert [r.loss for r in auto.records] == pytest.approx([r.loss for r in runs["1f1b"].records], rel=1e-5)
+    (choice,) = auto.schedule_choices
+    assert choice["grid"] == "dp=1 x pp=2 x ep=1" and choice["steps"][0] == 0
+    assert choice["costs"]["source"] == "measured at step 1 with zb-h1"
+    assert_steps_follow_the_choice([r.schedule for r in auto.records], choice)
+    assert auto.schedule == f"auto: {choice['schedule']}"
+    cfg, costs = run_costs(tmp_path / "auto" / "run")  # the run's second zero-bubble step: step 1
+    assert costs.forward == pytest.approx(choice["costs"]["forward"])
+    assert cli_main(["plan", "--from-run", str(tmp_path / "auto" / "run")]) == 0
+    assert "costs measured at step 1 of" in capsys.readouterr().out
+
+
+def test_a_slow_last_stage_is_seen_by_the_prediction() -> None:
+    balanced, skewed = even(2), UnitCosts([1.0, 1.5], [1.0, 1.5], [1.0, 1.5])
+    assert predict("1f1b", 8, skewed).step_s > predict("1f1b", 8, balanced).step_s * 1.3
+
+
+def test_measured_costs_from_spans() -> None:
+    spans = [[(Op.F, 1.0), (Op.F, 3.0), (Op.I, 2.0), (Op.W, 1.0), (Op.RECV_B, 0.5), (Op.RECV_B, 0.2)],
+             [(Op.F, 2.0), (Op.B, 4.0), (Op.RECV_F, 0.3), (Op.SEND_B, 0.01), (Op.STEP, 0.7)]]
+    costs = measured_costs(spans, peak_live=[2, 1], activation_bytes=[8 * MIB, 3 * MIB],
+                           device_bytes=[20 * MIB, 10 * MIB], source="test")
+    assert costs.forward == [2.0, 2.0]
+    assert costs.input_grad == [2.0, 2.0] and costs.weight_grad == [1.0, 2.0]  # a whole B is split in halves
+    assert costs.transfer == 0.2  # the shortest receive; sends and the optimizer are not transfers
+    assert costs.activation_bytes == [4 * MIB, 3 * MIB]
+    assert costs.fixed_bytes == [12 * MIB, 7 * MIB]
+    # On CPU no device bytes are measured: the fixed part is unknown, not zero.
+    assert measured_costs(spans, [2, 1], [8, 3], [0, 0], "cpu").fixed_bytes is None
+
+
+def test_bad_costs_are_refused() -> None:
+    with pytest.raises(ScheduleError, match="F, I and W for each of the same stages"):
+        UnitCosts([1.0, 1.0], [1.0], [1.0, 1.0])
+    with pytest.raises(ScheduleError, match="activation_bytes needs one value per stage"):
+        UnitCosts([1.0], [1.0], [1.0], activation_bytes=[1, 2])
+    with pytest.raises(ScheduleError, match="positive FLOPs"):
+        modelled_costs([1.0, 0.0])
+
+
+def test_plan_command_prints_the_table_and_the_choice(capsys) -> None:
+    code = cli_main(["plan", "--config", "configs/gpt-1b.yaml", "parallel.pp=4", "parallel.microbatches=8",
+                     "train.global_batch_size=16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pp=4, 8 micro-batches; costs modelled" in out
+    for schedule in ("fthenb", "1f1b", "zb-h1", "zb-h2"):
+        assert any(line.startswith(schedule) for line in out.splitlines())
+    assert "parallel.schedule=auto would run zb-h2: fastest predicted" in out
+
+
+def test_plan_command_errors(capsys, tmp_path) -> None:
+    assert cli_main(["plan", "--step", "3"]) == 2
+    assert "--step needs --from-run" in capsys.readouterr().err
+    assert cli_main(["plan", "--from-run", str(tmp_path)]) == 2
+    assert "is not a raypar run directory" in capsys.readouterr().err
+    assert cli_main(["plan", "parallel.memory_budget_gb=-1"]) == 2
+    assert "parallel.memory_budget_gb=-1" in capsys.readouterr().err
