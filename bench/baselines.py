@@ -99,7 +99,7 @@ def run(ctx: "Context") -> list[dict]:
             if launch == 0:
                 # parallel.schedule=auto: what it chose from its timed steps, against every schedule measured.
                 label = "raypar auto"
-                from raypar.driver.schedule_choice import TIMING_STEPS, TRIAL_STEPS
+                from raypar.schedule.choice import TIMING_STEPS, TRIAL_STEPS
 
                 # Enough steps to time, try up to three finalists and run the choice for a while.
                 choice_steps = TIMING_STEPS + 3 * TRIAL_STEPS

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from raypar.config import Config, ConfigError, config_from_dict, load_config
 from raypar.schedule import ScheduleError, build_programs, prepare
-from raypar.schedule.choice import UnitCosts, choose, format_table, measured_costs, modelled_costs, predict_all
+from raypar.schedule.choice import (MEASURE_WITHIN, TRIAL_STEPS, UnitCosts, choose, finalists, format_table,
+                                    measured_costs, modelled_costs, predict_all)
 
 
 class PlanError(ValueError):
@@ -109,7 +110,13 @@ def _run(args: argparse.Namespace) -> int:
     units = "s" if costs.source != "modelled" else "FLOPs per token, F = I = W"
     print(f"pp={p.pp}, {p.microbatches} micro-batches; costs {costs.source} ({units})")
     print(format_table(predictions, chosen, budget))
-    print(f"parallel.schedule=auto would run {chosen.schedule}: {why}")
+    finals = [f.schedule for f in finalists(predictions, budget)]
+    if len(finals) > 1:
+        print(f"parallel.schedule=auto would run {', '.join(finals)} for {TRIAL_STEPS} steps each (predicted within "
+              f"{MEASURE_WITHIN:.0%} of the fastest) and keep the fastest measured; by prediction alone "
+              f"{chosen.schedule}: {why}")
+    else:
+        print(f"parallel.schedule=auto would run {chosen.schedule}: {why}")
     return 0
 
 

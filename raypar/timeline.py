@@ -57,13 +57,16 @@ class WorkerEvents:
 KINDS: dict[str, str] = {
     "forward": "#4c72b0",
     "backward": "#55a868",
+    "input gradient": "#8fd19e",  # I of a split backward (zero-bubble schedules)
+    "weight gradient": "#2f6b3a",  # W: deferred into what would be bubbles
     "communication": "#dd8452",
     "optimizer": "#8172b3",
     "release/other": "#b0b0b0",
 }
 
 
-_KIND_OF_OP = {Op.F: "forward", Op.B: "backward", Op.I: "backward", Op.W: "backward", Op.SEND_F: "communication", Op.RECV_F: "communication",
+_KIND_OF_OP = {Op.F: "forward", Op.B: "backward", Op.I: "input gradient", Op.W: "weight gradient",
+               Op.SEND_F: "communication", Op.RECV_F: "communication",
                Op.SEND_B: "communication", Op.RECV_B: "communication", Op.REDUCE_GRAD: "optimizer",
                Op.STEP: "optimizer"}
 
@@ -157,16 +160,15 @@ def draw_png(step_events: Sequence[WorkerEvents], out_path: str | Path, title: s
             if spans:
                 ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
         for e in w.events:
-            if e.kind in ("forward", "backward") and e.microbatches:
+            if e.op.is_compute and e.microbatches:
                 mid = ((e.start + e.end) / 2 - t0) * 1e3
                 ax.text(mid, y, str(e.microbatches[0]), ha="center", va="center", fontsize=7, color="white",
                         clip_on=True)
-        # Mean measured F/B durations at the row's end: the numbers behind the box widths.
-        f = [e.end - e.start for e in w.events if e.kind == "forward"]
-        b = [e.end - e.start for e in w.events if e.kind == "backward"]
-        if f or b:
-            text = f"F {_mean_ms(f)} / B {_mean_ms(b)} ms"
-            ax.text(1.01, y, text, transform=ax.get_yaxis_transform(), va="center", fontsize=7)
+        # Mean measured F, B (or I and W) durations at the row's end: the numbers behind the box widths.
+        means = [f"{op.value} {_mean_ms(d)}" for op in (Op.F, Op.B, Op.I, Op.W)
+                 if (d := [e.end - e.start for e in w.events if e.op == op])]
+        if means:
+            ax.text(1.01, y, " / ".join(means) + " ms", transform=ax.get_yaxis_transform(), va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), [w.name for w in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, end_ms * 1.01 if end_ms > 0 else 1)

@@ -303,6 +303,18 @@ def test_zero_bubble_programs(schedule: str, cap, p: int, m: int) -> None:
         assert result.bubble_fraction < 0.7 * one_f_one_b_bubble
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [8, 16, 32])
+def test_zb_h1_has_a_third_of_1f1bs_bubble(p: int, m: int) -> None:
+    """At F = I = W and m >= p every stage of ZB-H1 idles p - 1 units, against 1F1B's
+    3 (p - 1) (Qi et al., ICLR 2024), and holds at most p micro-batches, as 1F1B's first."""
+    h1 = simulate(build_programs("zb-h1", p, m), t_f=1.0, t_b=2.0, t_w=1.0)
+    one_f_one_b = simulate(build_programs("1f1b", p, m), t_f=1.0, t_b=2.0)
+    assert h1.makespan - 3 * m == pytest.approx(p - 1)
+    assert one_f_one_b.makespan - 3 * m == pytest.approx(3 * (p - 1))
+    assert max(h1.peak_live) == p
+
+
 def test_zero_bubble_timing_by_hand() -> None:
     # Two stages, two micro-batches, F = I = W = 1. Stage 1: F0 1-2, I0 2-3 (its gradient
     # leaves at 3, not after a whole backward at 4), F1 3-4, I1 4-5, then W0 and W1 while

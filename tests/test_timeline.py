@@ -26,7 +26,8 @@ PP, STEPS = 2, 2
 def run(ray_session, tmp_path_factory):
     from raypar.driver.trainer import Trainer
 
-    cfg = tiny_config(tmp_path_factory.mktemp("timeline"), parallel={"pp": PP}, train={"steps": STEPS},
+    # Zero-bubble H1: its backwards come as I and W, each drawn and traced as its own kind.
+    cfg = tiny_config(tmp_path_factory.mktemp("timeline"), parallel={"pp": PP, "schedule": "zb-h1"}, train={"steps": STEPS},
                       runtime={"metrics": "off"})
     Trainer(cfg, log=lambda s: None).fit()
     return cfg
@@ -55,7 +56,7 @@ def test_trace_holds_each_stages_schedule(run, tmp_path):
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
     programs = build_programs(run.parallel.schedule, PP, run.parallel.microbatches, release=run.runtime.release)
     for w in events:
-        compute = [e for e in spans if e["pid"] == w.rank and e["cat"] in ("forward", "backward")]
+        compute = [e for e in spans if e["pid"] == w.rank and e["cat"] in ("forward", "input gradient", "weight gradient")]
         expected = [str(a) for a in programs[w.pp] if a.is_compute]
         assert [e["name"] for e in compute] == expected, f"stage {w.pp}"
         assert [e["args"]["mb"] for e in compute] == [a.mb for a in programs[w.pp] if a.is_compute]
@@ -85,7 +86,8 @@ def test_missing_step_lists_the_available_ones(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("label, kind", [
-    ("F3", "forward"), ("B0", "backward"), ("SEND_F3->1 RECV_B0<-1", "communication"), ("RECV_F0<-0", "communication"),
+    ("F3", "forward"), ("B0", "backward"), ("I2", "input gradient"), ("W2", "weight gradient"),
+    ("SEND_F3->1 RECV_B0<-1", "communication"), ("RECV_F0<-0", "communication"),
     ("SEND_B1->0", "communication"), ("RECV_B2<-1", "communication"),
     ("RELEASE_OUT3", "release/other"), ("RELEASE_IN0", "release/other"), ("REDUCE_GRAD", "optimizer"),
     ("STEP", "optimizer"),

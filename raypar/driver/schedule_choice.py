@@ -18,12 +18,9 @@ from dataclasses import asdict
 from raypar.driver.stats import report_costs
 from raypar.runtime.report import StepReport
 from raypar.schedule import Prepared
-from raypar.schedule.choice import Prediction, UnitCosts, choose, finalists, format_table, predict_all
+from raypar.schedule.choice import (TIMING_SCHEDULE, TIMING_STEPS, TRIAL_STEPS, Prediction, UnitCosts, choose,
+                                    finalists, format_table, predict_all)
 from raypar.topology import Grid
-
-TIMING_SCHEDULE = "zb-h1"
-TIMING_STEPS = 2
-TRIAL_STEPS = 2  # a schedule's first step may allocate what its order needs more of
 
 
 class ScheduleChooser:

@@ -31,6 +31,12 @@ TIE = 0.01
 # Schedules predicted this close to the fastest are each run (`finalists`) and the fastest
 # measured wins: the simulator leaves out what the host and the device add to each order.
 MEASURE_WITHIN = 0.05
+# A trainer times the units with this schedule (F, I and W apart) over this many steps,
+# then runs each other finalist this many steps (a schedule's first step may allocate what
+# its order holds more of; the last one's time counts).
+TIMING_SCHEDULE = "zb-h1"
+TIMING_STEPS = 2
+TRIAL_STEPS = 2
 # Among schedules equally fast and holding as much memory, the first of these.
 SIMPLEST_FIRST = ("1f1b", "fthenb", "zb-h1", "zb-h2")
 

@@ -7,21 +7,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from raypar.schedule.ir import Action, Op, ScheduleError
+from raypar.schedule.ir import Action, Op, ScheduleError, check_sizes
 from raypar.schedule.zero_bubble import zb_h1, zb_h2
 
 ComputeOrders = list[list[Action]]
 
 
-def _check_sizes(n_stages: int, n_microbatches: int) -> None:
-    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def forward_then_backward(n_stages: int, n_microbatches: int) -> ComputeOrders:
     """GPipe order: every stage runs all forwards, then all backwards."""
-    _check_sizes(n_stages, n_microbatches)
+    check_sizes(n_stages, n_microbatches)
     order = [Action(Op.F, mb) for mb in range(n_microbatches)]
     order += [Action(Op.B, mb) for mb in range(n_microbatches)]
     return [list(order) for _ in range(n_stages)]
@@ -33,7 +27,7 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> ComputeOrders:
     Stage s keeps at most n_stages - s micro-batches alive, instead of all of them as in GPipe,
     with the same bubble.
     """
-    _check_sizes(n_stages, n_microbatches)
+    check_sizes(n_stages, n_microbatches)
     m = n_microbatches
     orders = []
     for s in range(n_stages):

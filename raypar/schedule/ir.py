@@ -150,3 +150,10 @@ def comm_groups(program: Sequence[Action]) -> list[tuple[Action, ...]]:
     if run:
         groups.append(tuple(run))
     return groups
+
+
+def check_sizes(n_stages: int, n_microbatches: int) -> None:
+    """Stage and micro-batch counts a schedule generator takes: integers >= 1."""
+    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")

@@ -2,19 +2,20 @@
 
 I is on the critical path (the previous stage waits for its gradient); W waits for nobody,
 so it fills what would otherwise be bubbles (Qi et al., "Zero Bubble Pipeline Parallelism",
-ICLR 2024). The orders here come from a list scheduler run on a cost model: whenever a
+ICLR 2024). `zb-h1` is the paper's hand-made order (`zb_h1`); `zb-h2`'s comes from a list
+scheduler run on a cost model (`zero_bubble_orders`): whenever a
 stage is free it runs, in this order of preference, an I whose output gradient has arrived,
 an F whose input has arrived while fewer than `max_live` micro-batches are live on it (a
 micro-batch is live from its F to its W: W still needs the layers' inputs), else a pending
 W, else it waits for the next arrival.
 
-- `zb-h1`: `max_live` = the number of stages on every stage, the first stage's 1F1B peak:
-  no stage holds more than 1F1B's most loaded stage does.
+- `zb-h1`: no stage holds more than the number of stages, 1F1B's first stage's peak: at
+  F = I = W a third of 1F1B's bubble.
 - `zb-h2`: `max_live` = 2 x stages - 1, which fills the warm-up bubble too, for more memory.
 """
 from __future__ import annotations
 
-from raypar.schedule.ir import Action, Op, ScheduleError
+from raypar.schedule.ir import Action, Op, ScheduleError, check_sizes
 
 _INF = float("inf")
 
@@ -91,8 +92,33 @@ def zero_bubble_orders(n_stages: int, n_microbatches: int, max_live: list[int], 
 
 
 def zb_h1(n_stages: int, n_microbatches: int) -> list[list[Action]]:
-    """ZB-H1: no stage holds more micro-batches than 1F1B's first stage (`n_stages`)."""
-    return zero_bubble_orders(n_stages, n_microbatches, [n_stages] * n_stages)
+    """ZB-H1: no stage holds more micro-batches than 1F1B's first stage (`n_stages`).
+
+    The paper's hand-made order rather than the list scheduler's: 1F1B's warm-up, then each
+    F is followed by an I, and stage s holds back the W of its first s micro-batches, doing
+    one W after each I from then on; the held-back Ws close the step. The Ws that stage s
+    defers fill the waits of 1F1B's cool-down, so at F = I = W (and at least as many
+    micro-batches as stages) every stage idles n_stages - 1 units, a third of 1F1B's
+    3 (n_stages - 1), with the same peak as 1F1B's first stage.
+    """
+    check_sizes(n_stages, n_microbatches)
+    p, m = n_stages, n_microbatches
+    orders = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        order = [Action(Op.F, mb) for mb in range(warmup)]
+        next_f, next_w = warmup, 0
+        for i in range(m):
+            if next_f < m:
+                order.append(Action(Op.F, next_f))
+                next_f += 1
+            order.append(Action(Op.I, i))
+            if i >= s:  # stage s holds back s Ws
+                order.append(Action(Op.W, next_w))
+                next_w += 1
+        order += [Action(Op.W, mb) for mb in range(next_w, m)]
+        orders.append(order)
+    return orders
 
 
 def zb_h2(n_stages: int, n_microbatches: int) -> list[list[Action]]:
