@@ -97,7 +97,16 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert all(len(r["stages"]) == 2 and all(st["traced_ms"] > 0 for st in r["stages"]) for r in profiles)
     assert "One profiled step" in out.stdout
     rows = [r for r in rows if r.get("kind") not in ("stage_costs", "profile")]
-    assert len({r["label"] for r in rows}) == len(rows) == 9
+    assert len({r["label"] for r in rows}) == len(rows) == 13
+    # torch's multi-chunk schedules: the model in 4 stages, 2 per process; the same losses.
+    chunked = [r for r in rows if r.get("chunks") == 2]
+    assert sorted(r["label"].split()[1] for r in chunked) == ["ScheduleDualPipeV", "ScheduleInterleaved1F1B",
+                                                              "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+    single = next(r for r in rows if r.get("kind") == "single")
+    assert all(r["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4) for r in chunked)
+    fastest = next(r for r in rows if "vs_torch_best" in r)
+    assert fastest["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["label"].startswith("raypar "))
+    assert "over the fastest torch row" in out.stdout
     # parallel.schedule=auto: chose one of the schedules the other rows ran, and says how it compares.
     auto = next(r for r in rows if r["label"] == "raypar auto")
     assert auto["chosen"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["schedule_choices"][0]["measured_step_s"]
@@ -109,7 +118,7 @@ def _check_repeated_baselines(out, results: dict) -> None:
         assert zb["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)  # same model, same steps
     for r in rows:
         assert "error" not in r and "skipped" not in r, r
-        launches = 1 if r.get("zero_bubble") or r.get("auto") else 2  # these run in the first launch only
+        launches = 1 if r.get("zero_bubble") or r.get("auto") or r.get("chunks") == 2 else 2  # first launch only
         assert r["launches"] == r["launches_measured"] == launches and len(r["tokens_per_s_launches"]) == launches
         assert min(r["tokens_per_s_launches"]) == r["tokens_per_s"] and r["spread"] >= 0
     ours = next(r for r in rows if r["label"] == "raypar 1f1b")

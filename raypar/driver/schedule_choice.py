@@ -32,7 +32,8 @@ class ScheduleChooser:
         self.predictions: list[Prediction] | None = None
         self.budget: int | None = None
         self.measured: dict[str, float] = {}  # schedule -> seconds its last trial step took
-        self._trials: list[str] = []
+        self._finals: list[str] = []  # schedules predicted close enough to the fastest to run
+        self._trials: list[str] = []  # finalists still to run
         self.steps_run = 0  # steps of the choice finished
         self.choice: dict | None = None  # once chosen: what `summary.schedule_choices` keeps
         if grid.pp == 1:
