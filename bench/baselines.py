@@ -220,8 +220,8 @@ def compare(rows: list[dict], cfg: "Config") -> None:
     for r in rows:
         if r.get("zero_bubble") and "tokens_per_s" in r and one_f_one_b is not None:
             r["vs_1f1b"] = r["tokens_per_s"] / one_f_one_b["tokens_per_s"]
-    measured = [r for r in rows if r.get("label") in {f"raypar {s}" for s, _ in SCHEDULES + [(z, "") for z in ZERO_BUBBLE]}
-                and "tokens_per_s" in r]
+    fixed = {f"raypar {s}" for s in [*(s for s, _ in SCHEDULES), *ZERO_BUBBLE]}
+    measured = [r for r in rows if r.get("label") in fixed and "tokens_per_s" in r]
     for r in rows:
         if r.get("auto") and "tokens_per_s" in r and measured:
             best = max(measured, key=lambda x: x["tokens_per_s"])

@@ -72,8 +72,9 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
-    # auto: the first two steps on each grid time F, I and W (with zb-h1), then the fastest
-    # schedule the simulator predicts from them whose peak memory fits memory_budget_gb runs
+    # auto: the first two steps on each grid time F, I and W (with zb-h1), the schedules the
+    # simulator predicts within 5% of the fastest that fits memory_budget_gb run two steps
+    # each, and the fastest measured runs on
     schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2", "auto"] = "1f1b"
     # Device memory a stage may hold, for schedule=auto; None: 90% of the device's (no limit on CPU)
     memory_budget_gb: float | None = None
@@ -435,7 +436,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"parallel.memory_budget_gb={p.memory_budget_gb} must be > 0 (GiB a stage may hold), or "
-                          "null for the device's memory")
+                          "null for 90% of the device's memory")
     if r.profile_step is not None and r.profile_step < 0:
         raise ConfigError(f"runtime.profile_step={r.profile_step} must be a step number (0 or more), or null for none")
     if r.steps_ahead < 0:

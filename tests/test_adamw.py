@@ -1,4 +1,6 @@
-"""raypar's fused AdamW runs torch.optim.AdamW(fused=True)'s kernel: the same updates, bit for bit."""
+"""raypar's fused AdamW runs torch.optim.AdamW(fused=True)'s kernel (the same updates, bit for bit), and a
+stage worker starts without torch's compiler stack, which torch.optim and meta-device builds pulled in."""
+import json
 import subprocess
 import sys
 
@@ -6,6 +8,8 @@ import pytest
 import torch
 
 from raypar.adamw import FusedAdamW
+
+from helpers import ROOT
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -57,3 +61,15 @@ print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_real_stage_worker_starts_without_torchs_compiler_stack(tmp_path) -> None:
+    """bench/worker_start.py on CPU, one launch: a stage worker placed by Ray, set up and
+    stepped once, has not imported dynamo, inductor or sympy (the harness also stays runnable)."""
+    out = subprocess.run([sys.executable, "-m", "bench.worker_start", "--out", str(tmp_path), "--cpu", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "worker_start.json").read_text())
+    assert row["tree"] == "this checkout" and row["heavy_modules"] == []
+    assert row["start_s"] > 0 and row["first_step_s"] > 0 and set(row["setup_s"]) >= {"build", "connect"}
+    assert "| this checkout | 1 |" in (tmp_path / "worker_start.md").read_text()

@@ -1,11 +1,13 @@
 """Choose a pipeline schedule from per-unit costs: predict each one's step time and peak memory.
 
 Costs come from a model (`modelled_costs`: FLOPs per stage, I = W = F) or from a step that
-ran (`raypar.driver.stats.measured_costs`: the mean F, I and W of every stage, the cheapest
-transfer, and the activation bytes one live micro-batch holds). Each candidate schedule's
-programs are simulated with those costs; a schedule's peak memory is what its most loaded
-moment holds: the stage's fixed bytes (weights, gradients, optimizer) plus its peak number
-of live micro-batches times the bytes one holds.
+ran (`measured_costs`: the mean F, I and W of every stage, the cheapest transfer, and the
+activation bytes one live micro-batch holds). Each candidate schedule's programs are
+simulated with those costs; a schedule's peak memory is the stage's fixed bytes (weights,
+gradients, optimizer) plus its peak number of live micro-batches times the bytes one holds
+on average. For the zero-bubble orders that is a bound (a micro-batch between its I and its
+W holds less than one between F and I); it leaves out a receive posted ahead of its
+forward, which 1F1B's last stage holds beside its one live micro-batch.
 
 The choice is the fastest prediction whose peak fits the memory budget; predictions within
 `TIE` of the fastest count as equally fast, and among them the one holding least memory
@@ -17,6 +19,7 @@ times each order from per-unit costs; what the host and the device add to an ord
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from statistics import fmean
 from typing import Sequence
@@ -180,7 +183,10 @@ def measured_costs(spans: Sequence[Sequence[tuple[Op, float]]], peak_live: Seque
     """
     forward, input_grad, weight_grad = [], [], []
     for stage in spans:
-        mean = lambda op: fmean(d for o, d in stage if o == op) if any(o == op for o, _ in stage) else 0.0  # noqa: E731
+        by_op: dict[Op, list[float]] = defaultdict(list)
+        for op, seconds in stage:
+            by_op[op].append(seconds)
+        mean = lambda op: fmean(by_op[op]) if by_op[op] else 0.0  # noqa: E731
         b = mean(Op.B)
         forward.append(max(mean(Op.F), 1e-9))
         input_grad.append(max(mean(Op.I), b / 2, 1e-9))
