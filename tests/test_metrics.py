@@ -273,3 +273,27 @@ def test_ray_backend_warns_without_a_metrics_agent(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="raypar.driver.exporter"):
         MetricsExporter("ray")
     assert "runtime.metrics=standalone" in caplog.text
+
+
+def test_ray_backend_exports_a_counter_at_zero_once(monkeypatch):
+    """A dropless MoE run's inc(0) of raypar_tokens_dropped_total creates the series at 0 under
+    the ray backend too (Ray's Counter.inc refuses 0), so the panel reads 0, not "no data"."""
+    import raypar.driver.exporter as exporter_module
+
+    recorded = []
+
+    class FakeCounter:
+        def inc(self, value, tags):
+            assert value > 0, "Ray's Counter.inc raises on 0"
+            recorded.append(("inc", value, tags))
+
+        def _record(self, value, tags):
+            recorded.append(("record", value, tags))
+
+    monkeypatch.setattr(exporter_module, "ray_metrics_agent_installed", lambda: True)
+    backend = exporter_module._RayBackend()
+    monkeypatch.setattr(backend, "_get", lambda name: FakeCounter())
+    for value in (0, 0, 3, 0):
+        backend.inc("raypar_tokens_dropped_total", value, {"run": "r"})
+    backend.inc("raypar_tokens_dropped_total", 0, {"run": "other"})
+    assert recorded == [("record", 0, {"run": "r"}), ("inc", 3, {"run": "r"}), ("record", 0, {"run": "other"})]

@@ -116,6 +116,7 @@ class _RayBackend(_NullBackend):
 
     def __init__(self) -> None:
         self.instruments: dict[str, Any] = {}
+        self._zero_series: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         if not ray_metrics_agent_installed():
             log.warning("runtime.metrics=ray, but this Ray install has no metrics agent, so no metrics will be "
                         "served: install ray[default], or use runtime.metrics=standalone")
@@ -144,8 +145,26 @@ class _RayBackend(_NullBackend):
         self._get(name).set(value, tags=dict(labels))
 
     def inc(self, name: str, value: float, labels: Mapping[str, str]) -> None:
-        if value > 0:  # ray's Counter rejects 0
+        if value > 0:
             self._get(name).inc(value, tags=dict(labels))
+        elif value == 0:
+            self._create_at_zero(name, labels)
+
+    def _create_at_zero(self, name: str, labels: Mapping[str, str]) -> None:
+        """Export a counter's series at 0, as the standalone backend does on inc(0), so that
+        "no tokens dropped" reads 0 on the dashboards rather than "no data".
+
+        Ray's Counter.inc rejects 0; its `_record`, which inc calls after that check, adds 0
+        and so creates the series. Should a Ray version lack it, the series waits for its
+        first increment, as before.
+        """
+        key = (name, tuple(sorted(labels.items())))
+        if key in self._zero_series:
+            return
+        self._zero_series.add(key)
+        record = getattr(self._get(name), "_record", None)
+        if record is not None:
+            record(0, tags=dict(labels))
 
     def observe(self, name: str, value: float, labels: Mapping[str, str]) -> None:
         self._get(name).observe(value, tags=dict(labels))
@@ -281,7 +300,7 @@ class MetricsExporter(Callback):
         for layer, counts in (expert_tokens or {}).items():
             for expert, n in enumerate(counts):
                 self._backend.set("raypar_expert_tokens", n, {**run, "layer": str(layer), "expert": str(expert)})
-        # inc(0) still creates the series (standalone), so "no drops" reads 0 rather than "no data".
+        # inc(0) still creates the series (both backends), so "no drops" reads 0 rather than "no data".
         self._backend.inc("raypar_tokens_dropped_total", tokens_dropped or 0, run)
         self._backend.inc("raypar_alltoall_bytes_total", alltoall_bytes or 0, run)
         if alltoall_s is not None:
