@@ -20,6 +20,7 @@ from raypar.data import TokenDataset
 from raypar.data.source import open_corpus
 from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
+from raypar.schedule import run_layout
 from raypar.runtime.profile import profiled
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
 from raypar.runtime.report import ReportTail, StepReport
@@ -165,10 +166,11 @@ class StageWorker:
         timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
-        groups = build_groups(self.grid, self.rank, timeout)
+        layout = run_layout(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.chunks)
+        groups = build_groups(self.grid, self.rank, timeout, layout)
         t1 = time.perf_counter()
         coord = self.grid.coord(self.rank)
-        needs_data = coord.pp in (0, self.grid.pp - 1)
+        needs_data = layout.holds_data(coord.pp)
         if needs_data and self._dataset is None:
             self._dataset = open_corpus(self.cfg, self.data_path)
         dataset = self._dataset if needs_data else None

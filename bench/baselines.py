@@ -8,7 +8,7 @@ then:
 (b) torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B) in 2 spawned
     processes (gloo on CPU, NCCL on GPU) running raypar's own stage modules, and (first launch,
     not --quick) torch's multi-chunk schedules on the model in 4 stages, 2 per process
-    (MULTI_CHUNK): what raypar's interleaved and V schedules will be measured against.
+    (MULTI_CHUNK), paired with raypar's interleaved and V schedules (CHUNKED).
 
 Every run does what raypar's step does: forward and backward of every micro-batch, the
 global gradient norm over both stages, clipping and the AdamW step on fp32 masters.
@@ -50,7 +50,9 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "device (a long run's pace; over a dozen steps the host clock also moves with the host's lead); "
          "raypar / torch on the device: torch's over raypar's. With --repeats: the kept launches' ratio, then "
          "raypar's over torch's launch by launch (each round runs both back to back) and the median of those. "
-         "Multi-chunk torch rows: the model in 4 stages, 2 per process (loop or V placement). "
+         "Multi-chunk rows (torch's and raypar's interleaved-1f1b, zb-v, zb-v-half): the model in 4 stages, 2 per "
+         "process (loop or V placement). Peak memory vs raypar 1f1b: the fullest stage's device peak (on CPU its "
+         "activations') over 1F1B's. "
          "raypar auto: parallel.schedule=auto, its first two steps timing zb-h1 (the choice from the second), against "
          "the fastest schedule measured here (its tokens/s leave the first step out, as every row's do).")
 
@@ -58,10 +60,14 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
 # raypar's zero-bubble schedules, against its 1F1B and two devices' worth of the single one.
 ZERO_BUBBLE = ["zb-h1", "zb-h2"]
+# raypar's schedules of two model chunks per stage, measured as the zero-bubble ones and
+# paired with torch's that place chunks alike (TORCH_COUNTERPART).
+CHUNKED = ["interleaved-1f1b", "zb-v", "zb-v-half"]
+# Stages balanced by modelled cost (the head's work spread over fewer layers on its stage).
+BALANCED = ["zb-h2", "zb-v"]
 # torch's schedules with two model chunks per process (the model in 4 stages over the 2
 # processes), by how the chunks are placed: "loop" (stages r and r + 2 on rank r) or "v"
-# (stages r and 3 - r, so rank 0 holds the first and the last). raypar has no multi-chunk
-# schedule yet (issue 27): these rows stand beside its best.
+# (stages r and 3 - r, so rank 0 holds the first and the last), as raypar's layouts.
 MULTI_CHUNK = {"ScheduleInterleaved1F1B": "loop", "ScheduleInterleavedZeroBubble": "loop",
                "ScheduleZBVZeroBubble": "v", "ScheduleDualPipeV": "v"}
 
@@ -98,9 +104,17 @@ def run(ctx: "Context") -> list[dict]:
             rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
                 label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, compared_to=schedules[0][0],
                 breakdown=step_breakdown(c.runtime.run_dir)))
-            for schedule in ZERO_BUBBLE if launch == 0 else ():  # against the rows of every launch
+            for schedule in [*ZERO_BUBBLE, *CHUNKED] if launch == 0 else ():  # against the rows of every launch
                 label = f"raypar {schedule}"
                 c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true"], label)
+                rows += ctx.attempt(label, lambda label=label, c=c, schedule=schedule: ctx.row(
+                    label, c, *ctx.fit(c, label, fresh=launch > 0),
+                    schedule=schedule if schedule in CHUNKED else None, zero_bubble=True,
+                    breakdown=step_breakdown(c.runtime.run_dir)))
+            for schedule in BALANCED if launch == 0 else ():
+                label = f"raypar {schedule}, layers_per_stage=auto"
+                c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true", "parallel.layers_per_stage=auto"],
+                               label)
                 rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
                     label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, zero_bubble=True,
                     breakdown=step_breakdown(c.runtime.run_dir)))
@@ -220,6 +234,10 @@ def compare(rows: list[dict], cfg: "Config") -> None:
     for r in rows:
         if r.get("zero_bubble") and "tokens_per_s" in r and one_f_one_b is not None:
             r["vs_1f1b"] = r["tokens_per_s"] / one_f_one_b["tokens_per_s"]
+            # The fullest stage's device peak (activations on CPU, where no device is measured).
+            key = "peak_device_bytes" if max(one_f_one_b.get("peak_device_bytes") or [0]) else "peak_activation_bytes"
+            if max(one_f_one_b.get(key) or [0]) and r.get(key):
+                r["peak_vs_1f1b"] = max(r[key]) / max(one_f_one_b[key])
     fixed = {f"raypar {s}" for s in [*(s for s, _ in SCHEDULES), *ZERO_BUBBLE]}
     measured = [r for r in rows if r.get("label") in fixed and "tokens_per_s" in r]
     for r in rows:
@@ -542,8 +560,9 @@ def pipelining_rows(cfg: "Config", schedules: list[str], data_path: str, ctx: "C
     return rows
 
 
-# raypar's schedule that does what a torch schedule does (None: raypar has none yet).
-TORCH_COUNTERPART = {"Schedule1F1B": "1f1b", "ScheduleGPipe": "fthenb"}
+# raypar's schedule that does what a torch schedule does (None: raypar has none).
+TORCH_COUNTERPART = {"Schedule1F1B": "1f1b", "ScheduleGPipe": "fthenb", "ScheduleInterleaved1F1B": "interleaved-1f1b",
+                     "ScheduleZBVZeroBubble": "zb-v"}
 
 
 def stage_indices(schedule: str, rank: int, ranks: int = 2) -> list[int]:
@@ -734,15 +753,15 @@ def table(rows: list[dict]) -> str:
         return fmt(b, "between_steps_ms", "{:.2f}") + split
     lines = ["| run | tokens/s | step ms | step ms on the device | bubble measured | vs single device | "
              "vs ideal 2-stage | vs 2 devices | raypar / torch | raypar / torch on the device | vs raypar 1f1b | "
-             "final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak memory vs raypar 1f1b | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("kind") == "profile":
             continue  # its own table below
         if r.get("kind") == "stage_costs":
             if "gpu_ms" in r:
                 lines.append(f"| {r['label']}: GPU {' / '.join(f'{x:.1f}' for x in r['gpu_ms'])} ms, host to issue it "
-                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | | | | | |")
+                             f"{' / '.join(f'{x:.1f}' for x in r['host_ms'])} ms (stage 0 / 1) | | | | | | | | | | | | |")
             continue
         label = r["label"] + (f" ({r['microbatches']} mb)" if r.get("microbatches") else "")
         if r.get("kind") == "single":
@@ -757,7 +776,8 @@ def table(rows: list[dict]) -> str:
                      f"{f'{on_device:.1f}' if on_device else '-'} | "
                      f"{fmt(r, 'bubble_measured', '{:.3f}')} | {fmt(r, 'vs_single_device', '{:.2f}')} | "
                      f"{fmt(r, 'vs_ideal_2_stage', '{:.2f}')} | {fmt(r, 'vs_2_devices', '{:.2f}')} | {vs_torch(r, '')} | "
-                     f"{vs_torch(r, '_on_device')} | {fmt(r, 'vs_1f1b', '{:.3f}')} | {fmt(r, 'final_loss', '{:.4f}')} |")
+                     f"{vs_torch(r, '_on_device')} | {fmt(r, 'vs_1f1b', '{:.3f}')} | {fmt(r, 'peak_vs_1f1b', '{:.2f}')} | "
+                     f"{fmt(r, 'final_loss', '{:.4f}')} |")
     best = next((r for r in rows if "vs_torch_best" in r), None)
     if best is not None:
         lines += ["", f"Fastest raypar row ({best['label']}) over the fastest torch row ({best['torch_best']}): "

@@ -74,14 +74,20 @@ class ParallelConfig:
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
     # auto: the first two steps on each grid time F, I and W (with zb-h1), the schedules the
     # simulator predicts within 5% of the fastest that fits memory_budget_gb run two steps
-    # each, and the fastest measured runs on
-    schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2", "auto"] = "1f1b"
+    # each, and the fastest measured runs on. Several model chunks per stage (`chunks`):
+    # interleaved-1f1b (chunks in a loop; microbatches a multiple of pp), zb-v (2 chunks in a
+    # V, split backward, at most 1F1B's peak activations) and zb-v-half (about half of it)
+    schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half", "auto"] = "1f1b"
+    # Model chunks per stage: None, the schedule's own (2 for interleaved-1f1b, zb-v and
+    # zb-v-half, 1 for the others); interleaved-1f1b takes any count >= 2
+    chunks: int | None = None
     # Device memory a stage may hold, for schedule=auto; None: 90% of the device's (no limit on CPU)
     memory_budget_gb: float | None = None
     microbatches: int = 1  # per data-parallel replica and step
     # Layers of each pipeline stage: None, as even as possible (extra layers to the middle
     # stages); "auto", balanced by modelled FLOPs so that the last stage's head does not make
-    # it the slowest (any pp, also after an elastic re-plan); or a list, one count per stage.
+    # it the slowest (any pp, also after an elastic re-plan); or a list, one count per stage
+    # (with several chunks per stage, one per virtual stage: pp x chunks, in model order).
     layers_per_stage: list[int] | Literal["auto"] | None = None
     # Split the fp32 masters and AdamW moments over the workers that hold the same weights
     # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
@@ -502,9 +508,18 @@ def validate(cfg: Config) -> None:
             f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "
             f"use parallel.pp <= {m.n_layers}"
         )
+    from raypar.schedule.generators import run_layout, schedule_fits
+
+    why = schedule_fits(p.schedule, p.pp, p.microbatches, m.n_layers, p.chunks)
+    if why is not None:
+        raise ConfigError(f"parallel.schedule={p.schedule} with parallel.pp={p.pp}, parallel.microbatches={p.microbatches}"
+                          f", parallel.chunks={p.chunks}: {why}")
+    n_virtual = run_layout(p.schedule, p.pp, p.chunks).n_virtual
     if isinstance(p.layers_per_stage, list):
-        if len(p.layers_per_stage) != p.pp:
-            raise ConfigError(f"parallel.layers_per_stage has {len(p.layers_per_stage)} entries but parallel.pp={p.pp}")
+        if len(p.layers_per_stage) != n_virtual:
+            per = "" if n_virtual == p.pp else f" x {n_virtual // p.pp} chunks = {n_virtual} virtual stages"
+            raise ConfigError(f"parallel.layers_per_stage has {len(p.layers_per_stage)} entries but parallel.pp={p.pp}"
+                              f"{per}")
         if any(n < 1 for n in p.layers_per_stage):
             raise ConfigError(f"parallel.layers_per_stage={p.layers_per_stage}: every stage needs at least one layer")
         if sum(p.layers_per_stage) != m.n_layers:

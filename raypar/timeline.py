@@ -38,6 +38,14 @@ class Event:
         except ScheduleError:
             return []
 
+    @property
+    def chunk(self) -> int:
+        """The model chunk its first action ran on (0 with one chunk per stage)."""
+        try:
+            return parse_program(self.label)[0].chunk
+        except (ScheduleError, IndexError):
+            return 0
+
 
 @dataclass(frozen=True)
 class WorkerEvents:
@@ -142,7 +150,9 @@ def _origin(step_events: Sequence[WorkerEvents]) -> float:
 def draw_png(step_events: Sequence[WorkerEvents], out_path: str | Path, title: str | None = None) -> Path:
     """One row per worker, time in ms from the step's first event, boxes coloured by kind.
 
-    Gaps between boxes are idle time and stay white; F/B boxes carry their micro-batch number.
+    Gaps between boxes are idle time and stay white; compute boxes carry their micro-batch
+    number, and with several model chunks per stage the chunk ("3c1": micro-batch 3 on chunk
+    1), whose boxes after chunk 0 are hatched.
     """
     import matplotlib
 
@@ -156,14 +166,17 @@ def draw_png(step_events: Sequence[WorkerEvents], out_path: str | Path, title: s
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(rows) + 1.8))
     for y, w in enumerate(rows):
         for kind, colour in KINDS.items():
-            spans = [((e.start - t0) * 1e3, (e.end - e.start) * 1e3) for e in w.events if e.kind == kind]
-            if spans:
-                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
+            for later_chunk in (False, True):
+                spans = [((e.start - t0) * 1e3, (e.end - e.start) * 1e3) for e in w.events
+                         if e.kind == kind and (e.chunk > 0) == later_chunk]
+                if spans:
+                    ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3,
+                                   hatch="///" if later_chunk else None)
         for e in w.events:
             if e.op.is_compute and e.microbatches:
                 mid = ((e.start + e.end) / 2 - t0) * 1e3
-                ax.text(mid, y, str(e.microbatches[0]), ha="center", va="center", fontsize=7, color="white",
-                        clip_on=True)
+                text = f"{e.microbatches[0]}c{e.chunk}" if e.chunk else str(e.microbatches[0])
+                ax.text(mid, y, text, ha="center", va="center", fontsize=7, color="white", clip_on=True)
         # Mean measured F, B (or I and W) durations at the row's end: the numbers behind the box widths.
         means = [f"{op.value} {_mean_ms(d)}" for op in (Op.F, Op.B, Op.I, Op.W)
                  if (d := [e.end - e.start for e in w.events if e.op == op])]
@@ -211,8 +224,8 @@ def chrome_trace(step_events: Sequence[WorkerEvents]) -> dict[str, Any]:
             events.append({
                 "ph": "X", "name": e.label, "cat": e.kind, "pid": w.rank, "tid": tids[e.kind],
                 "ts": (e.start - t0) * 1e6, "dur": max(0.0, e.end - e.start) * 1e6,
-                "args": {"mb": mbs[0] if len(mbs) == 1 else (mbs or None), "stage": w.pp, "dp": w.dp, "ep": w.ep,
-                         "step": w.step},
+                "args": {"mb": mbs[0] if len(mbs) == 1 else (mbs or None), "chunk": e.chunk, "stage": w.pp,
+                         "dp": w.dp, "ep": w.ep, "step": w.step},
             })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

@@ -15,7 +15,7 @@ from raypar.config import Config, config_from_dict
 from raypar.data import SampleOrder, TokenDataset, split_batch, write_synthetic_corpus
 from raypar.reference import ReferenceTrainer
 from raypar.resources import WorkerResources
-from raypar.schedule import build_programs
+from raypar.schedule import CHUNKED_SCHEDULES, build_programs
 from raypar.driver.stats import step_loss
 from raypar.topology import Grid
 
@@ -91,7 +91,9 @@ def step_both(group, ref: ReferenceTrainer, dataset: TokenDataset, order: Sample
         return [split_batch(batch, grid.data_parallel_size, grid.data_rank(c)) for c in grid.coords()]
 
     batch = order.indices(step * gbs, gbs)
-    programs = build_programs(schedule, grid.pp, microbatches, release=release)
+    # A group built for several chunks per stage runs the schedules of its layout.
+    chunks = cfg.parallel.chunks if schedule in CHUNKED_SCHEDULES else None
+    programs = build_programs(schedule, grid.pp, microbatches, release=release, chunks=chunks)
     if group.programs != programs:  # programs go to the workers only when they change
         group.set_programs(programs)
     following = per_rank(order.indices(announce * gbs, gbs)) if announce is not None else None

@@ -97,7 +97,7 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert all(len(r["stages"]) == 2 and all(st["traced_ms"] > 0 for st in r["stages"]) for r in profiles)
     assert "One profiled step" in out.stdout
     rows = [r for r in rows if r.get("kind") not in ("stage_costs", "profile")]
-    assert len({r["label"] for r in rows}) == len(rows) == 13
+    assert len({r["label"] for r in rows}) == len(rows) == 18
     # torch's multi-chunk schedules: the model in 4 stages, 2 per process; the same losses.
     chunked = [r for r in rows if r.get("chunks") == 2]
     assert sorted(r["label"].split()[1] for r in chunked) == ["ScheduleDualPipeV", "ScheduleInterleaved1F1B",
@@ -111,9 +111,15 @@ def _check_repeated_baselines(out, results: dict) -> None:
     auto = next(r for r in rows if r["label"] == "raypar auto")
     assert auto["chosen"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["schedule_choices"][0]["measured_step_s"]
     assert auto["best_measured"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["vs_best_measured"] > 0
-    for schedule in ("zb-h1", "zb-h2"):  # raypar's zero-bubble schedules beside its 1F1B
+    for schedule, torch_label in (("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zb-v", "ScheduleZBVZeroBubble")):
+        # raypar's schedules of two chunks per stage beside torch's that place chunks alike.
+        ours = next(r for r in rows if r["label"] == f"raypar {schedule}")
+        theirs = next(r for r in rows if r["label"].startswith(f"torch.distributed.pipelining {torch_label}"))
+        assert ours["vs_torch"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    for schedule in ("zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half"):  # beside raypar's 1F1B
         zb = next(r for r in rows if r["label"] == f"raypar {schedule}")
         assert zb["config"]["parallel"]["schedule"] == schedule and zb["vs_1f1b"] > 0 and zb["vs_2_devices"] > 0
+        assert zb["peak_vs_1f1b"] > 0
         single = next(r for r in rows if r.get("kind") == "single")
         assert zb["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)  # same model, same steps
     for r in rows:

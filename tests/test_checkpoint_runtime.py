@@ -52,6 +52,24 @@ def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def test_checkpoint_resumes_across_schedules_and_chunkings(ray_session, tmp_path, data):
+    """The format names layers, not chunks: a ZB-V run's checkpoint (two chunks per stage in a
+    V, the head on stage 0) goes on as interleaved 1F1B (chunks in a loop) and as one stage."""
+    zb_v = {"schedule": "zb-v"}
+    source = Trainer(run_config(tmp_path, "source", (1, 2, 1), 6, checkpoint={"every": 3}, parallel=zb_v)).fit()
+    saved = checkpoint_dir(tmp_path / "source" / "ckpt", 3)
+    expected = weights(latest(tmp_path / "source" / "ckpt"))
+    for name, grid, parallel in (("interleaved", (1, 2, 1), {"schedule": "interleaved-1f1b"}),
+                                 ("one-stage", (1, 1, 1), {"schedule": "1f1b"})):
+        moved = Trainer(run_config(tmp_path, name, grid, 6, checkpoint={"every": 3, "resume": str(saved)},
+                                   parallel=parallel)).fit()
+        assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in source.records[3:]], rel=1e-5), name
+        got = weights(latest(tmp_path / name / "ckpt"))
+        assert got.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+
+
 @pytest.mark.parametrize("on_host", [False, True], ids=["device", "host"])
 def test_ema_of_the_weights_is_saved_and_exported(ray_session, tmp_path, data, on_host):
     """The workers' EMA of their masters equals the single-process reference's, kept beside

@@ -67,7 +67,8 @@ def test_every_config_key_is_in_the_reference():
 
 def test_rendered_types_and_defaults():
     by_key = {e.key: e for e in ENTRIES}
-    assert by_key["parallel.schedule"].type == 'one of "fthenb", "1f1b", "zb-h1", "zb-h2", "auto"'
+    assert by_key["parallel.schedule"].type == ('one of "fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", '
+                                                 '"zb-v-half", "auto"')
     assert by_key["parallel.layers_per_stage"].type == 'list[int] | one of "auto" | None'
     assert by_key["data.path"].type == "str | None"
     assert by_key["runtime.release"].type == "bool"

@@ -40,7 +40,7 @@ from raypar.metrics import peak_flops_per_device
 from raypar.model import flops_per_token
 from raypar.resources import ResourceError, plan_resources
 from raypar.runtime.report import StepReport
-from raypar.schedule import build_programs, prepare
+from raypar.schedule import build_programs, prepare, schedule_layout
 from raypar.topology import Grid
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
@@ -466,8 +466,11 @@ class Controller:
 
     def _build_programs(self) -> None:
         p = self.cfg.parallel
-        self.programs = build_programs(self.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release)
-        self._sim_programs = prepare(self.programs)  # checked once; each step only times them
+        chunks = None if p.schedule == "auto" else p.chunks  # auto runs schedules of one chunk per stage
+        self.programs = build_programs(self.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release,
+                                       chunks=chunks)
+        # Checked once; each step only times them.
+        self._sim_programs = prepare(self.programs, schedule_layout(self.schedule, self.grid.pp, chunks))
 
     def _choice_step_done(self, step: int, reports: list[StepReport], step_time_s: float) -> None:
         """`parallel.schedule: auto`: a step of the choice finished; run what the chooser says next."""

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from raypar.config import CheckpointConfig, Config, ConfigError, ElasticConfig, validate
+from raypar.schedule import schedule_fits
 from raypar.topology import Grid
 
 # -- grid: what the cluster can hold ------------------------------------------------------------
@@ -33,6 +34,9 @@ def _fits(cfg: Config, grid: Grid, microbatch_size: int) -> Plan | None:
     if rest or share == 0:
         return None
     microbatches = share // microbatch_size if share % microbatch_size == 0 else share
+    p = cfg.parallel
+    if schedule_fits(p.schedule, grid.pp, microbatches, m.n_layers, p.chunks) is not None:
+        return None  # e.g. interleaved-1f1b's micro-batches in groups of pp
     return Plan(grid, microbatches)
 
 

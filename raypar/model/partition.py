@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from raypar.config import ModelConfig
+from raypar.schedule.layout import Layout
 from raypar.model.experts import unstacked
 from raypar.model.transformer import Transformer, head_flops, init_weights, layer_flops
 
@@ -115,11 +116,23 @@ def stage_layers(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int
 
 
 def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None,
-                  ep_rank: int = 0, ep_size: int = 1) -> Transformer:
-    ranges = split_layers(cfg.n_layers, n_stages, stage_layers(cfg, n_stages, layers_per_stage))
+                  ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None) -> Transformer:
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
-    return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
+    if layout is None or layout.n_chunks == 1:
+        ranges = split_layers(cfg.n_layers, n_stages, stage_layers(cfg, n_stages, layers_per_stage))
+        return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
+                           ep_rank=ep_rank, ep_size=ep_size)
+    if layout.n_actors != n_stages:
+        raise PartitionError(f"a layout of {layout.n_actors} stage(s) for a {n_stages}-stage pipeline")
+    # An interleaved schedule cuts the model into stages x chunks virtual stages (layers_per_stage
+    # counts each of them) and places them by its layout.
+    n_virtual = layout.n_virtual
+    ranges = split_layers(cfg.n_layers, n_virtual, stage_layers(cfg, n_virtual, layers_per_stage))
+    chunks = range(layout.n_chunks)
+    return Transformer(cfg, chunks=[ranges[layout.virtual(stage, c)] for c in chunks],
+                       embed_chunk=next((c for c in chunks if layout.is_first(stage, c)), None),
+                       head_chunk=next((c for c in chunks if layout.is_last(stage, c)), None),
                        ep_rank=ep_rank, ep_size=ep_size)
 
 
@@ -133,6 +146,7 @@ def build_stage(
     ep_rank: int = 0,
     ep_size: int = 1,
     init: bool = True,
+    layout: Layout | None = None,
 ) -> Transformer:
     """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
 
@@ -141,9 +155,11 @@ def build_stage(
     directly on `device` (default: CPU), and never filled with a throwaway default init.
     With `init=False` the parameters are left as allocated, for a stage whose every
     parameter is loaded next (a checkpoint): drawing them on the CPU costs seconds.
+    `layout`: an interleaved schedule's chunks (`raypar.schedule.layout`); the stage then
+    holds one run of layers per chunk, `layers_per_stage` counting each virtual stage's.
     """
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout)
     _allocate(model, torch.device(device if device is not None else "cpu"))
     model.reset_buffers()
     if init:
@@ -166,17 +182,18 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
 
 
 def stage_param_names(
-    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None,
+    layout: Layout | None = None,
 ) -> list[str]:
     """Global parameter names of a stage, without allocating any tensor."""
-    return [name for name, _, _ in stage_param_shapes(cfg, stage, n_stages, layers_per_stage)]
+    return [name for name, _, _ in stage_param_shapes(cfg, stage, n_stages, layers_per_stage, layout=layout)]
 
 
 def stage_param_shapes(
     cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None,
-    ep_rank: int = 0, ep_size: int = 1,
+    ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout)
     return [(name, t.shape, t.dtype) for name, t in unstacked(model)]

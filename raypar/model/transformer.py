@@ -123,6 +123,10 @@ class Transformer(nn.Module):
     A stage holds the layers `layer_ids` (global indices, contiguous or not), the token
     embedding if `has_embed` and the final norm plus output head if `has_head`. Without an
     embedding the input is hidden states [b, t, dim]; without a head the output is too.
+
+    A stage of an interleaved schedule holds several model chunks (`chunks`: each chunk's
+    layer ids, in the order `forward(chunk=...)` runs them); the embedding then belongs to
+    chunk `embed_chunk` and the head to chunk `head_chunk` (None: the stage has none).
     """
 
     recompute: bool
@@ -136,10 +140,18 @@ class Transformer(nn.Module):
         has_head: bool = True,
         ep_rank: int = 0,
         ep_size: int = 1,
+        chunks: Sequence[Sequence[int]] | None = None,
+        embed_chunk: int | None = None,
+        head_chunk: int | None = None,
     ) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.cfg = cfg
+        if chunks is not None:
+            if layer_ids is not None:
+                raise ValueError("give a stage's layers as layer_ids or as chunks, not both")
+            layer_ids = [i for chunk in chunks for i in chunk]
+            has_embed, has_head = embed_chunk is not None, head_chunk is not None
         ids = list(range(cfg.n_layers)) if layer_ids is None else [int(i) for i in layer_ids]
         bad = [i for i in ids if not 0 <= i < cfg.n_layers]
         if bad:
@@ -149,6 +161,12 @@ class Transformer(nn.Module):
         self.layer_ids = ids
         self.has_embed = has_embed
         self.has_head = has_head
+        self.chunk_layers = [[str(i) for i in chunk] for chunk in chunks] if chunks is not None else [[str(i) for i in ids]]
+        self.embed_chunk = (embed_chunk if chunks is not None else 0) if has_embed else None
+        self.head_chunk = (head_chunk if chunks is not None else 0) if has_head else None
+        for which, c in (("embed_chunk", self.embed_chunk), ("head_chunk", self.head_chunk)):
+            if c is not None and not 0 <= c < len(self.chunk_layers):
+                raise ValueError(f"{which}={c} names no chunk of this stage's {len(self.chunk_layers)}")
         self.recompute = False
         self.on_block_input = None
 
@@ -187,9 +205,12 @@ class Transformer(nn.Module):
         _, cos, sin = self._rope_cast
         return cos[:t], sin[:t]
 
-    def forward(self, x: Tensor, labels: Tensor | None = None, seeds: Tensor | None = None) -> Tensor:
-        """Loss (with labels), logits, or hidden states; `seeds`: per-sample dropout seeds [b]."""
-        if self.has_embed:
+    def forward(self, x: Tensor, labels: Tensor | None = None, seeds: Tensor | None = None, chunk: int = 0) -> Tensor:
+        """Loss (with labels), logits, or hidden states; `seeds`: per-sample dropout seeds [b];
+        `chunk`: which of the stage's model chunks runs."""
+        if not 0 <= chunk < len(self.chunk_layers):
+            raise ValueError(f"chunk {chunk} does not exist: this stage holds {len(self.chunk_layers)} chunk(s)")
+        if self.embed_chunk == chunk:
             if x.dtype.is_floating_point:
                 raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
             h = self.embed(x)
@@ -203,7 +224,8 @@ class Transformer(nn.Module):
         cos, sin = self._rope(t, h.dtype)
 
         use_recompute = self.recompute and torch.is_grad_enabled()
-        for block in self.layers.values():
+        for key in self.chunk_layers[chunk]:
+            block = self.layers[key]
             if use_recompute:
                 if self.on_block_input is not None:
                     self.on_block_input(h)
@@ -211,7 +233,7 @@ class Transformer(nn.Module):
             else:
                 h = block(h, cos, sin, seeds)
 
-        if not self.has_head:
+        if self.head_chunk != chunk:
             if labels is not None:
                 raise ValueError("labels were given to a stage without the output head")
             return h

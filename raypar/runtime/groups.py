@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from raypar.schedule.layout import Layout, single
 from raypar.topology import Grid
 
 
@@ -16,13 +17,12 @@ class StageGroups:
     dense_grad: object | None  # replicas of this stage's dense parameters (dp x ep): all-reduce
     expert_grad: object | None  # replicas of this stage's experts (dp): all-reduce
     ep: object | None  # this stage's expert-parallel group: token all-to-all
-    prev_rank: int | None  # global rank of the previous stage (p2p)
-    next_rank: int | None
+    line: list[int]  # global rank of each stage of this worker's pipeline (p2p peers)
     # The pipeline's channels this stage takes part in, each a communicator of its own (so
-    # a send waiting for its receiver holds up nothing on another channel): activations from
-    # the previous stage ("F", "prev") and to the next ("F", "next"), gradients from the
-    # next ("B", "next") and to the previous ("B", "prev").
-    channels: dict[tuple[str, str], object] = field(default_factory=dict)
+    # a send waiting for its receiver holds up nothing on another channel), by (kind, sending
+    # stage, receiving stage): activations ("F") go along the layout's links, gradients ("B")
+    # back. One chunk per stage: "F" from each stage to the next, "B" from each to the one before.
+    channels: dict[tuple[str, int, int], object] = field(default_factory=dict)
 
 
 def init_world(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
@@ -36,8 +36,10 @@ def init_world(backend: str, master_addr: str, master_port: int, rank: int, worl
     )
 
 
-def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
+def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | None = None) -> StageGroups:
     """new_group is collective over the whole world, so every rank walks every group.
+    `layout`: where the model's chunks sit (default one per stage), which says which
+    stages exchange activations.
 
     A group of every rank is the world's own: a second communicator over the same ranks
     would have its own stream and, on 2 x H200, the last two backwards before the norm's
@@ -63,25 +65,23 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta) -> StageGroups:
     walk("expert_grad", [grid.expert_grad_ranks(s, e) for s in range(grid.pp) for e in range(grid.ep)])
     walk("ep", [grid.ep_ranks(d, s) for d in range(grid.dp) for s in range(grid.pp)])
     line = grid.pipeline_ranks(me.dp, me.ep)
-    channels: dict[tuple[str, str], object] = {}
+    links = (layout or single(grid.pp)).forward_links()
+    channels: dict[tuple[str, int, int], object] = {}
     for d in range(grid.dp):
         for e in range(grid.ep):
             ranks = grid.pipeline_ranks(d, e)
-            for s in range(grid.pp - 1):
-                for kind in ("F", "B"):
+            for a, b in links:
+                for kind, src, dst in (("F", a, b), ("B", b, a)):
                     # Always a group of its own, also when the pair is the whole world.
-                    g = dist.new_group([ranks[s], ranks[s + 1]], timeout=timeout)
-                    if rank == ranks[s]:
-                        channels[kind, "next"] = g
-                    elif rank == ranks[s + 1]:
-                        channels[kind, "prev"] = g
+                    g = dist.new_group(sorted([ranks[src], ranks[dst]]), timeout=timeout)
+                    if rank in (ranks[src], ranks[dst]):
+                        channels[kind, src, dst] = g
     return StageGroups(
         replica=mine.get("replica"),
         dense_grad=mine.get("dense_grad"),
         expert_grad=mine.get("expert_grad"),
         ep=mine.get("ep"),
-        prev_rank=line[me.pp - 1] if me.pp > 0 else None,
-        next_rank=line[me.pp + 1] if me.pp < grid.pp - 1 else None,
+        line=line,
         channels=channels,
     )
 

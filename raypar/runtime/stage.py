@@ -1,10 +1,12 @@
 """Executes one stage's program: the per-actor half of the pipeline scheduler.
 
 A program is a list of schedule actions (raypar.schedule). The runtime keeps, per
-micro-batch, the received input, the stage output and the received output gradient,
-and releases them as the program says: an output's data once it has been sent (its
-autograd node stays, backward only needs the gradient), an input once its gradient has
-been sent. Nothing here knows about Ray: a stage worker actor wraps it.
+micro-batch and model chunk, the received input, the chunk's output and the received
+output gradient, and releases them as the program says: an output's data once it has been
+sent (its autograd node stays, backward only needs the gradient), an input once its
+gradient has been sent. Two chunks of one stage that follow each other in the model (ZB-V's
+turn) hand the activation and its gradient over in memory. Nothing here knows about Ray: a
+stage worker actor wraps it.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
 from raypar.runtime.state import (checkpoint_pieces, load_state, names_to_load, rng_states, state_layout,
                                   state_tensors, takes_snapshots)
-from raypar.schedule import Action, Op, comm_groups
+from raypar.schedule import Action, Op, comm_groups, run_layout
 from raypar.topology import Grid
 
 # The snapshot's copy of the peer check's sum (`start_snapshot`), never written.
@@ -57,11 +59,12 @@ class _StepState:
     seeds: tuple[torch.Tensor, ...] | None  # per-sample dropout seeds, per micro-batch
     act_shape: tuple[int, int, int]  # a received activation's shape
     inflight: Inflight  # sends and receives posted and not seen complete
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received (or, first stage, token) inputs
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    grad_out: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
-    losses: list[torch.Tensor] = field(default_factory=list)  # last stage only
-    graphed: set[int] = field(default_factory=set)  # micro-batches whose forward replayed a CUDA graph
+    # By (chunk, micro-batch): received (or handed over, or token) inputs, outputs, received output gradients
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grad_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)  # the stage with the head only
+    graphed: set[tuple[int, int]] = field(default_factory=set)  # forwards that replayed a CUDA graph
     graphed_count: int = 0
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
     issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
@@ -126,17 +129,19 @@ class StageRuntime:
         self.stage = self.coord.pp
         self.is_first = self.stage == 0
         self.is_last = self.stage == grid.pp - 1
+        # Where the model's chunks sit (one per stage but for interleaved schedules).
+        self.layout = run_layout(cfg.parallel.schedule, grid.pp, cfg.parallel.chunks)
         self.groups = groups
         self.device = device
         self.dataset = dataset
         self._prefetch = (Prefetcher(dataset.get, pin=device.type == "cuda")
-                          if dataset is not None and (self.is_first or self.is_last) else None)
+                          if dataset is not None and self.layout.holds_data(self.stage) else None)
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
         t0 = time.perf_counter()
 
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
-                                 init=init_weights)
+                                 init=init_weights, layout=self.layout)
         self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
@@ -173,7 +178,7 @@ class StageRuntime:
             # Pinned buffers for the first save, allocated while the first steps run.
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
-        self._mb = -1
+        self._mb: tuple[int, int] = (0, -1)  # (chunk, micro-batch) of the forward running
         self._graph: MicroBatchGraph | None = None  # this program's captured micro-batch (runtime.cuda_graphs)
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
@@ -183,7 +188,7 @@ class StageRuntime:
         self._step_end = None  # the end mark of the last step this stage issued
         self.set_program([])
         t1 = time.perf_counter()
-        connect_channels(groups.channels, groups.prev_rank, groups.next_rank, device, self.timeout)
+        connect_channels(groups.channels, self.stage, groups.line, device, self.timeout)
         check_world(device, self.timeout)  # also connects the world's communicator before any step
         # Building the stage and optimizer; connecting (waiting for the peers to get here too).
         self.setup_s = {"build": t1 - t0, "connect": time.perf_counter() - t1}
@@ -192,11 +197,17 @@ class StageRuntime:
 
     def set_program(self, program: list[Action]) -> None:
         """The program every step runs until the next call (sent once per plan, not per step)."""
+        chunks = {a.chunk for a in program if a.op == Op.F}
+        if program and chunks != set(range(self.layout.n_chunks)):
+            raise ValueError(f"stage {self.stage}: the program runs forwards on chunk(s) {sorted(chunks)}, but this "
+                             f"stage holds {self.layout.n_chunks} chunk(s) (parallel.schedule="
+                             f"{self.cfg.parallel.schedule}): build it for this layout "
+                             f"(raypar.schedule.build_programs with the run's chunks)")
         self.program = list(program)
         self._late = None  # labelled by the old program's units
         self._units = comm_groups(self.program)  # what runs
         self._program_units = program_units(self.program)  # what a unit's times are of
-        self._n_mb = sum(1 for a in self.program if a.op == Op.F)
+        self._n_mb = len({a.mb for a in self.program if a.op == Op.F})
         self._graph = None
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
@@ -348,7 +359,8 @@ class StageRuntime:
         # Shapes follow the step's program, so one worker group can run any schedule and count.
         act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
         return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape,
-                          Inflight(self.groups.channels, self.timeout), data_wait_s=data_wait)
+                          Inflight(self.groups.channels, self.stage, self.groups.line, self.timeout),
+                          data_wait_s=data_wait)
 
     def _issue(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
         """Issue one unit that moves a step's tensors: an exchange, a forward, a backward or a release."""
@@ -356,25 +368,23 @@ class StageRuntime:
         if head.is_comm:
             self._exchange(state, unit)
         elif head.op == Op.F:
-            state.outputs[head.mb] = self._forward(state, head.mb)
+            state.outputs[head.key] = self._forward(state, head)
         elif head.op in (Op.B, Op.I):
             if head.op == Op.I:
-                with weight_grads_deferred(head.mb):
-                    self._backward(state, head.mb)
+                with weight_grads_deferred(head.key):
+                    self._backward(state, head)
             else:
-                self._backward(state, head.mb)
+                self._backward(state, head)
             if self.cfg.runtime.release:
-                state.grad_out.pop(head.mb, None)
-                if self.is_first:
-                    self._forget(head.mb, state.inputs, state.outputs)
+                self._after_backward(state, head)
         elif head.op == Op.W:
-            compute_weight_grads(head.mb)
+            compute_weight_grads(head.key)
         elif head.op == Op.RELEASE_OUT:
-            out = state.outputs[head.mb]
-            state.inflight.after_send(Op.SEND_F, head.mb, lambda: self._release_output(state, out))
+            out = state.outputs[head.key]
+            state.inflight.after_send(Op.SEND_F, head.key, lambda: self._release_output(state, out))
         elif head.op == Op.RELEASE_IN:
-            state.inflight.after_send(Op.SEND_B, head.mb,
-                                      lambda mb=head.mb: self._forget(mb, state.inputs, state.outputs))
+            state.inflight.after_send(Op.SEND_B, head.key,
+                                      lambda key=head.key: self._forget(key, state.inputs, state.outputs))
         else:
             raise ValueError(f"stage {self.stage}: cannot execute {head}")
 
@@ -387,10 +397,10 @@ class StageRuntime:
             state.released += 1
 
     def _await_input(self, state: "_StepState", head: Action) -> None:
-        if head.op == Op.F and not self.is_first:
-            state.inflight.received(Op.RECV_F, head.mb, f"stage {self.stage}: activation {head.mb}")
-        elif head.op in (Op.B, Op.I) and not self.is_last:
-            state.inflight.received(Op.RECV_B, head.mb, f"stage {self.stage}: gradient {head.mb}")
+        if head.op == Op.F:
+            state.inflight.received(Op.RECV_F, head.key, f"stage {self.stage}: activation for {head}")
+        elif head.op in (Op.B, Op.I):
+            state.inflight.received(Op.RECV_B, head.key, f"stage {self.stage}: gradient for {head}")
 
     def _end_unit(self, state: "_StepState", head: Action, begin) -> None:
         end = self.clock.mark()
@@ -482,35 +492,43 @@ class StageRuntime:
         y = y.to(self.device, non_blocking=True).chunk(n_mb)
         return x, y, waited
 
-    def _forward(self, state: "_StepState", mb: int) -> torch.Tensor:
-        self._mb = mb
-        if self.is_first:
+    def _forward(self, state: "_StepState", action: Action) -> torch.Tensor:
+        mb, chunk, key = action.mb, action.chunk, action.key
+        self._mb = key
+        source = self.layout.prev(self.stage, chunk)
+        if source is None:
             x = state.tokens[mb]
-            state.inputs[mb] = x
+            state.inputs[key] = x
+        elif source[0] == self.stage:
+            # Handed over from this stage's chunk before it: detached, so each chunk's
+            # backward is its own unit; the earlier chunk's backward reads this input's gradient.
+            x = state.outputs[source[1], mb].detach().requires_grad_(True)
+            state.inputs[key] = x
         else:
-            x = state.inputs[mb]
-        target = state.labels[mb] if self.is_last else None
+            x = state.inputs[key]
+        has_loss = self.layout.next(self.stage, chunk) is None
+        target = state.labels[mb] if has_loss else None
         seeds = state.seeds[mb] if state.seeds is not None else None
         graph = self._graph_for(state, (x, target, seeds))
         if graph is not None:
             self._weights_gathered()  # what the forward pre-hooks do eagerly
             loss = graph.forward((x, target, seeds))
             state.losses.append(loss)
-            state.graphed.add(mb)
+            state.graphed.add(key)
             state.graphed_count += 1
-            self.tracker.hold_graphed(mb, graph.saved_bytes)
+            self.tracker.hold_graphed(key, graph.saved_bytes)
             return loss
-        with self.tracker.recording(mb):
+        with self.tracker.recording(key):
             if self.recompute == "stage":
-                self.tracker.hold(mb, x)
-                out = checkpoint(self.model, x, target, seeds, use_reentrant=False)
+                self.tracker.hold(key, x)
+                out = checkpoint(self.model, x, target, seeds, chunk, use_reentrant=False)
             else:
-                out = self.model(x, target, seeds)
-        if self.is_last:
+                out = self.model(x, target, seeds, chunk)
+        if has_loss:
             state.losses.append(out.detach())
             # The step's loss is the mean over micro-batches: scale each one's gradient.
             out = out / self._n_mb
-        self.tracker.hold(mb, out)
+        self.tracker.hold(key, out)
         return out
 
     def _graph_for(self, state: "_StepState", inputs) -> MicroBatchGraph | None:
@@ -546,44 +564,60 @@ class StageRuntime:
         for moe in self.moe_layers.values():
             moe.stats.reset()
 
-    def _backward(self, state: "_StepState", mb: int) -> None:
-        if mb in state.graphed:
-            state.graphed.discard(mb)
+    def _backward(self, state: "_StepState", action: Action) -> None:
+        key = action.key
+        if key in state.graphed:
+            state.graphed.discard(key)
             self._graph.backward()
-            self.tracker.backward_done(mb)
+            self.tracker.backward_done(key)
             return
-        out = state.outputs[mb]
-        if self.is_last:
+        out = state.outputs[key]
+        target = self.layout.next(self.stage, action.chunk)
+        if target is None:
             torch.autograd.backward(out)
+        elif target[0] == self.stage:  # the next chunk is this stage's: its input's gradient
+            torch.autograd.backward(out, state.inputs[target[1], action.mb].grad)
         else:
-            torch.autograd.backward(out, state.grad_out[mb])
-        self.tracker.backward_done(mb)
+            torch.autograd.backward(out, state.grad_out[key])
+        self.tracker.backward_done(key)
+
+    def _after_backward(self, state: "_StepState", action: Action) -> None:
+        """Drop what a backward (B or I) was the last to read: the received output gradient;
+        the tokens (a first chunk's input, which no send reads); and the hand-over from this
+        stage's next chunk (its input, whose gradient this backward read, and its output)."""
+        key = action.key
+        state.grad_out.pop(key, None)
+        if self.layout.prev(self.stage, action.chunk) is None:
+            self._forget(key, state.inputs, state.outputs)
+        target = self.layout.next(self.stage, action.chunk)
+        if target is not None and target[0] == self.stage:
+            self._forget((target[1], action.mb), state.inputs, state.outputs)
 
     def _exchange(self, state: "_StepState", unit: tuple[Action, ...]) -> None:
         """Post a unit's sends and receives; the computes that read what arrives wait for it."""
         inputs, outputs, grad_out = state.inputs, state.outputs, state.grad_out
         for a in unit:
             if a.op == Op.SEND_F:
-                state.inflight.post(a, outputs[a.mb], self.groups.next_rank)
+                state.inflight.post(a, outputs[a.key])
             elif a.op == Op.SEND_B:
-                state.inflight.post(a, inputs[a.mb].grad, self.groups.prev_rank)
+                state.inflight.post(a, inputs[a.key].grad)
             elif a.op == Op.RECV_F:
                 buf = torch.empty(state.act_shape, dtype=self.act_dtype, device=self.device)
-                inputs[a.mb] = buf
-                state.inflight.post(a, buf, self.groups.prev_rank)
+                inputs[a.key] = buf
+                state.inflight.post(a, buf)
                 buf.requires_grad_(True)
-                self.tracker.hold(a.mb, buf)
+                self.tracker.hold(a.key, buf)
             elif a.op == Op.RECV_B:
-                out = outputs[a.mb]
+                out = outputs[a.key]
                 buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-                grad_out[a.mb] = buf
-                state.inflight.post(a, buf, self.groups.next_rank)
-                self.tracker.hold(a.mb, buf)
+                grad_out[a.key] = buf
+                state.inflight.post(a, buf)
+                self.tracker.hold(a.key, buf)
 
-    def _forget(self, mb: int, inputs, outputs) -> None:
-        inputs.pop(mb, None)
-        outputs.pop(mb, None)
-        self.tracker.drop(mb)
+    def _forget(self, key: tuple[int, int], inputs, outputs) -> None:
+        inputs.pop(key, None)
+        outputs.pop(key, None)
+        self.tracker.drop(key)
 
     def _reduce_grads(self, capture: bool):
         if isinstance(self.optimizer, ShardedOptimizer):

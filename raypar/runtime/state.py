@@ -22,6 +22,7 @@ import torch
 from raypar.checkpoint.pieces import flat_range_boxes, piece_name, split_piece_name
 from raypar.config import Config
 from raypar.model import stage_param_shapes
+from raypar.schedule import run_layout
 from raypar.optim import MasterOptimizer, is_expert_param
 from raypar.runtime.snapshot import Layout
 from raypar.sharded_optimizer import ShardedOptimizer
@@ -200,8 +201,9 @@ def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid, everything: bool = Fa
     # A sharded optimizer's pieces are shaped by the rank's share: only the weights are known.
     sharded = cfg.parallel.shard_optimizer
     most: Counter = Counter()
+    layout = run_layout(cfg.parallel.schedule, grid.pp, cfg.parallel.chunks)
     for stage in range(grid.pp):
-        params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep)
+        params = stage_param_shapes(cfg.model, stage, grid.pp, cfg.parallel.layers_per_stage, 0, grid.ep, layout)
         mixed = any(dtype != torch.float32 for _, _, dtype in params)
         most |= Counter(params_layout(params, mixed, optimizer and not sharded, master and not sharded,
                                       c.ema_decay > 0 and not sharded).values())

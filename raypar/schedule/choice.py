@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Sequence
 
-from raypar.schedule.generators import SCHEDULES
+from raypar.schedule.generators import SCHEDULES, schedule_layout
 from raypar.schedule.ir import Op, ScheduleError
 from raypar.schedule.lower import build_programs
-from raypar.schedule.simulator import simulate
+from raypar.schedule.simulator import prepare, simulate
 
 # Predicted step times this close to the fastest (relative) are a tie, broken by memory.
 TIE = 0.01
@@ -87,15 +87,23 @@ class Prediction:
         return budget_bytes is None or self.peak_bytes is None or max(self.peak_bytes) <= budget_bytes
 
 
-def predict(schedule: str, microbatches: int, costs: UnitCosts) -> Prediction:
-    """Simulate `schedule`'s programs on `costs.n_stages` stages with these costs."""
-    programs = build_programs(schedule, costs.n_stages, microbatches)
-    backward = [i + w for i, w in zip(costs.input_grad, costs.weight_grad)]
-    sim = simulate(programs, t_f=costs.forward, t_b=backward, t_w=costs.weight_grad, t_comm=costs.transfer)
+def predict(schedule: str, microbatches: int, costs: UnitCosts, chunks: int | None = None) -> Prediction:
+    """Simulate `schedule`'s programs on `costs.n_stages` stages with these costs.
+
+    A schedule of several chunks per stage (`chunks`, default its own) runs each stage's
+    work in that many equal parts: a chunk's unit costs and holds 1 / chunks of the stage's
+    (the stage's costs must be those of its layers under that schedule's layout). Its
+    `peak_live` counts chunk micro-batches."""
+    layout = schedule_layout(schedule, costs.n_stages, chunks)
+    v = layout.n_chunks
+    programs = prepare(build_programs(schedule, costs.n_stages, microbatches, chunks=chunks), layout)
+    part = lambda values: [x / v for x in values]  # noqa: E731
+    backward = [(i + w) / v for i, w in zip(costs.input_grad, costs.weight_grad)]
+    sim = simulate(programs, t_f=part(costs.forward), t_b=backward, t_w=part(costs.weight_grad), t_comm=costs.transfer)
     peak_bytes = None
     if costs.activation_bytes is not None:
         fixed = costs.fixed_bytes or [0] * costs.n_stages
-        peak_bytes = [f + live * a for f, live, a in zip(fixed, sim.peak_live, costs.activation_bytes)]
+        peak_bytes = [f + live * a // v for f, live, a in zip(fixed, sim.peak_live, costs.activation_bytes)]
     return Prediction(schedule, sim.makespan, sim.bubble_fraction, list(sim.peak_live), peak_bytes)
 
 
@@ -199,13 +207,15 @@ def measured_costs(spans: Sequence[Sequence[tuple[Op, float]]], peak_live: Seque
 
 
 def format_table(predictions: Sequence[Prediction], chosen: Prediction | None = None,
-                 budget_bytes: int | None = None, measured: dict[str, float] | None = None) -> str:
-    """The predictions as a text table: step time relative to the fastest, bubble, live
-    micro-batches and peak bytes per stage, over the budget marked; with `measured`, the
-    seconds a step of each schedule run took."""
-    fastest = min(p.step_s for p in predictions)
+                 budget_bytes: int | None = None, measured: dict[str, float] | None = None,
+                 baseline: float | None = None) -> str:
+    """The predictions as a text table: step time relative to the fastest (or to `baseline`
+    seconds), bubble, live micro-batches and peak bytes per stage, over the budget marked;
+    with `measured`, the seconds a step of each schedule run took."""
+    fastest = baseline if baseline is not None else min(p.step_s for p in predictions)
     measured = measured or {}
-    lines = [f"{'schedule':<10} {'step (x best)':>13} {'bubble':>7} {'measured':>9}  {'live per stage':<16} "
+    width = max(10, *(len(p.schedule) for p in predictions))
+    lines = [f"{'schedule':<{width}} {'step (x best)':>13} {'bubble':>7} {'measured':>9}  {'live per stage':<16} "
              "peak per stage"]
     for p in predictions:
         peak = " ".join(_gib(b) for b in p.peak_bytes) if p.peak_bytes is not None else "-"
@@ -214,7 +224,7 @@ def format_table(predictions: Sequence[Prediction], chosen: Prediction | None = 
             mark += "  (over budget)"
         live = " ".join(str(n) for n in p.peak_live)
         ran = f"{measured[p.schedule] * 1000:.1f} ms" if p.schedule in measured else "-"
-        lines.append(f"{p.schedule:<10} {p.step_s / fastest:>13.3f} {p.bubble:>7.3f} {ran:>9}  {live:<16} {peak}{mark}")
+        lines.append(f"{p.schedule:<{width}} {p.step_s / fastest:>13.3f} {p.bubble:>7.3f} {ran:>9}  {live:<16} {peak}{mark}")
     return "\n".join(lines)
 
 

@@ -55,6 +55,7 @@ class Action:
     op: Op
     mb: int | None = None  # micro-batch index (None for REDUCE_GRAD/STEP)
     peer: int | None = None  # the other stage for SEND_*/RECV_* actions
+    chunk: int = 0  # the model chunk (raypar.schedule.layout) it runs on; always 0 with one chunk per stage
 
     def __post_init__(self) -> None:
         # Accept plain strings ("F") so programs can come back from logs or configs.
@@ -77,6 +78,10 @@ class Action:
                 )
         elif self.peer is not None:
             raise ScheduleError(f"{self.op.value} is not a communication action and takes no peer")
+        if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 0:
+            raise ScheduleError(f"{self.op.value} needs a chunk index >= 0 (got chunk={self.chunk!r})")
+        if self.op in _STEP_OPS and self.chunk:
+            raise ScheduleError(f"{self.op.value} is once per step for the whole stage and takes no chunk")
 
     @property
     def is_comm(self) -> bool:
@@ -94,13 +99,19 @@ class Action:
     def is_release(self) -> bool:
         return self.op in _RELEASE_OPS
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """(chunk, micro-batch): what the runtime keeps a micro-batch's tensors under."""
+        return self.chunk, self.mb
+
     def __str__(self) -> str:
         if self.op in _STEP_OPS:
             return self.op.value
+        chunk = f"c{self.chunk}" if self.chunk else ""
         if self.is_comm:
             arrow = "->" if self.is_send else "<-"
-            return f"{self.op.value}{self.mb}{arrow}{self.peer}"
-        return f"{self.op.value}{self.mb}"
+            return f"{self.op.value}{self.mb}{chunk}{arrow}{self.peer}"
+        return f"{self.op.value}{self.mb}{chunk}"
 
 
 def format_program(program: Iterable[Action]) -> str:
@@ -110,12 +121,13 @@ def format_program(program: Iterable[Action]) -> str:
 
 _ACTION_RE = re.compile(
     r"(?P<op>RELEASE_OUT|RELEASE_IN|REDUCE_GRAD|STEP|SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W)"
-    r"(?P<mb>\d+)?(?:(?P<arrow>->|<-)(?P<peer>\d+))?"
+    r"(?P<mb>\d+)?(?:c(?P<chunk>\d+))?(?:(?P<arrow>->|<-)(?P<peer>\d+))?"
 )
 
 
 def parse_program(text: str) -> list[Action]:
-    """Parse the `format_program` form back, e.g. "RECV_F0<-0 F0 SEND_F0->2 B0 STEP"."""
+    """Parse the `format_program` form back, e.g. "RECV_F0<-0 F0 SEND_F0->2 B0 STEP" (chunk 1's
+    forward of micro-batch 3 is "F3c1")."""
     program = []
     for token in text.split():
         m = _ACTION_RE.fullmatch(token)
@@ -126,7 +138,7 @@ def parse_program(text: str) -> list[Action]:
             raise ScheduleError(f"cannot parse action {token!r}: sends use '->', receives use '<-'")
         mb = int(m["mb"]) if m["mb"] is not None else None
         peer = int(m["peer"]) if m["peer"] is not None else None
-        program.append(Action(op, mb, peer))
+        program.append(Action(op, mb, peer, int(m["chunk"]) if m["chunk"] is not None else 0))
     return program
 
 

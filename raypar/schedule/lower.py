@@ -10,21 +10,28 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from raypar.schedule.generators import get_schedule
+from raypar.schedule.generators import compute_orders, schedule_layout
 from raypar.schedule.ir import Action, Op, ScheduleError, comm_groups
+from raypar.schedule.layout import Layout, single
 from raypar.schedule.simulator import validate
 
 __all__ = ["build_programs", "comm_groups", "lower"]
 
 
-def lower(compute_orders: Sequence[Sequence[Action]], release: bool = True) -> list[list[Action]]:
-    """Insert communication, (optionally) memory releases, and the end-of-step actions."""
+def lower(compute_orders: Sequence[Sequence[Action]], release: bool = True,
+          layout: Layout | None = None) -> list[list[Action]]:
+    """Insert communication, (optionally) memory releases, and the end-of-step actions.
+
+    `layout` says which worker holds each chunk's neighbours (default: one chunk per worker);
+    a hand-over between two chunks of one worker (ZB-V's turn) needs no send."""
     n_stages = len(compute_orders)
     if n_stages == 0:
         raise ScheduleError("lower() needs at least one stage")
+    layout = layout or single(n_stages)
+    if layout.n_actors != n_stages:
+        raise ScheduleError(f"lower() got orders for {n_stages} stage(s) and a layout of {layout.n_actors} worker(s)")
     programs = []
     for s, order in enumerate(compute_orders):
-        first, last = s == 0, s == n_stages - 1
         program: list[Action] = []
         weights: list[Action] = []  # W's waiting for the next compute that talks to a peer
         for action in order:
@@ -35,15 +42,20 @@ def lower(compute_orders: Sequence[Sequence[Action]], release: bool = True) -> l
                 raise ScheduleError(
                     f"lower() takes compute-only orders (F, B, I and W), but stage {s} has {action}"
                 )
-            # A receive is posted before the W's ahead of its compute: it arrives while they run.
+            if action.chunk >= layout.n_chunks:
+                raise ScheduleError(f"stage {s}: {action} names chunk {action.chunk}, but the layout has "
+                                    f"{layout.n_chunks} chunk(s) per stage")
             forward = action.op is Op.F
-            if not (first if forward else last):
-                program.append(Action(Op.RECV_F if forward else Op.RECV_B, action.mb, s - 1 if forward else s + 1))
+            source = layout.prev(s, action.chunk) if forward else layout.next(s, action.chunk)
+            target = layout.next(s, action.chunk) if forward else layout.prev(s, action.chunk)
+            # A receive is posted before the W's ahead of its compute: it arrives while they run.
+            if source is not None and source[0] != s:
+                program.append(Action(Op.RECV_F if forward else Op.RECV_B, action.mb, source[0], action.chunk))
             program += weights
             weights = []
             program.append(action)
-            if not (last if forward else first):
-                program.append(Action(Op.SEND_F if forward else Op.SEND_B, action.mb, s + 1 if forward else s - 1))
+            if target is not None and target[0] != s:
+                program.append(Action(Op.SEND_F if forward else Op.SEND_B, action.mb, target[0], action.chunk))
         program += weights
         if release:
             program = _insert_releases(program)
@@ -61,16 +73,18 @@ def _insert_releases(program: list[Action]) -> list[Action]:
         out.extend(group)
         for action in group:
             if action.op is Op.SEND_F:
-                out.append(Action(Op.RELEASE_OUT, action.mb))
+                out.append(Action(Op.RELEASE_OUT, action.mb, chunk=action.chunk))
             elif action.op is Op.SEND_B:
-                out.append(Action(Op.RELEASE_IN, action.mb))
+                out.append(Action(Op.RELEASE_IN, action.mb, chunk=action.chunk))
     return out
 
 
 def build_programs(
-    schedule: str, n_stages: int, n_microbatches: int, release: bool = True
+    schedule: str, n_stages: int, n_microbatches: int, release: bool = True, chunks: int | None = None
 ) -> list[list[Action]]:
-    """Generate, lower and validate the programs of every stage for one training step."""
-    programs = lower(get_schedule(schedule)(n_stages, n_microbatches), release)
-    validate(programs)  # a program that would deadlock or misorder must never reach the runtime
+    """Generate, lower and validate the programs of every stage for one training step;
+    `chunks`: model chunks per stage of an interleaved schedule (`schedule_layout`)."""
+    layout = schedule_layout(schedule, n_stages, chunks)
+    programs = lower(compute_orders(schedule, layout, n_microbatches), release, layout)
+    validate(programs, layout)  # a program that would deadlock or misorder must never reach the runtime
     return programs

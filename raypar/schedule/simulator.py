@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from raypar.schedule.ir import Action, Op, ScheduleError, format_program
+from raypar.schedule.layout import Layout, single
 
 Programs = Sequence[Sequence[Action]]
 # Sends a stage may have under way on one channel (raypar.runtime.p2p: the next waits for the oldest).
@@ -40,9 +41,9 @@ class SimResult:
     timeline: list[list[tuple[Action, float, float]]]
 
 
-def validate(programs: Programs) -> SimResult:
+def validate(programs: Programs, layout: Layout | None = None) -> SimResult:
     """Simulate with default durations; raises ScheduleError on any invalid program."""
-    return simulate(programs)
+    return simulate(prepare(programs, layout))
 
 
 def simulate(
@@ -54,11 +55,13 @@ def simulate(
 ) -> SimResult:
     """Check `programs` (one per stage) and time them; raises ScheduleError if they are invalid.
 
-    t_f / t_b are forward / whole backward durations, one for all stages or one per stage; a
+    t_f / t_b are forward / whole backward durations of one chunk's unit (with one chunk per
+    stage, the stage's), one for all stages or one per stage; a
     split backward's W takes t_w (default half of t_b) and its I the rest. A comm unit takes
     t_comm after the last of its own and its partners' posts. Releases, REDUCE_GRAD and
     STEP take no time. `programs` may be the result of `prepare`, which skips the checks: a
-    driver that times the same programs every step checks them once.
+    driver that times the same programs every step checks them once. Programs of more than
+    one chunk per stage come prepared, with their layout (`prepare`).
     """
     if not isinstance(programs, Prepared) and len(programs) == 0:
         raise ScheduleError("no programs: need one per stage")
@@ -82,28 +85,33 @@ class Prepared:
     peak_live: list[int]
     partner: dict[_Loc, _Loc]  # every send's receive and every receive's send (stage, index)
     before: dict[_Loc, _Loc | None]  # the op posted before it on its channel by the same stage
-    receive: list[dict[tuple[Op, int], int]]  # per stage: (RECV_F or RECV_B, mb) -> index
+    receive: list[dict[tuple[Op, int, int], int]]  # per stage: (RECV_F or RECV_B, mb, chunk) -> index
+    layout: Layout
 
 
-def prepare(programs: Programs) -> Prepared:
-    """Check `programs` once (raises ScheduleError) for any number of timed `simulate` runs."""
+def prepare(programs: Programs, layout: Layout | None = None) -> Prepared:
+    """Check `programs` once (raises ScheduleError) for any number of timed `simulate` runs.
+    `layout`: where each chunk's neighbours are (default: one chunk per stage)."""
     programs = [list(p) for p in programs]
     n = len(programs)
     if n == 0:
         raise ScheduleError("no programs: need one per stage")
-    peak_live = [_check_stage(programs, s) for s in range(n)]
+    layout = layout or single(n)
+    if layout.n_actors != n:
+        raise ScheduleError(f"{n} program(s) for a layout of {layout.n_actors} stage(s): give one per stage")
+    peak_live = [_check_stage(programs, s, layout) for s in range(n)]
     _check_collectives(programs)
-    partner = _match_channels(programs)
+    partner = _match_channels(programs, layout)
     before: dict[_Loc, _Loc | None] = {}
-    receive: list[dict[tuple[Op, int], int]] = []
+    receive: list[dict[tuple[Op, int, int], int]] = []
     for s, program in enumerate(programs):
         last: dict[tuple[Op, int], _Loc] = {}
         for i, a in enumerate(program):
             if a.is_comm:
                 before[(s, i)] = last.get((a.op, a.peer))
                 last[(a.op, a.peer)] = (s, i)
-        receive.append({(a.op, a.mb): i for i, a in enumerate(program) if a.op in (Op.RECV_F, Op.RECV_B)})
-    return Prepared(programs, peak_live, partner, before, receive)
+        receive.append({(a.op, a.mb, a.chunk): i for i, a in enumerate(program) if a.op in (Op.RECV_F, Op.RECV_B)})
+    return Prepared(programs, peak_live, partner, before, receive, layout)
 
 
 def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
@@ -130,33 +138,47 @@ class _LazyText:
         return _programs_text(self.programs, self.stages)
 
 
-def _expected_peer(op: Op, s: int) -> int:
-    return s + 1 if op in (Op.SEND_F, Op.RECV_B) else s - 1
+def _neighbour(layout: Layout, op: Op, s: int, chunk: int) -> tuple[int, int] | None:
+    """(stage, chunk) an op's data comes from or goes to: the next virtual stage for
+    activations out and gradients in, the previous one otherwise."""
+    downstream = op in (Op.SEND_F, Op.RECV_B, Op.RELEASE_OUT)
+    return layout.next(s, chunk) if downstream else layout.prev(s, chunk)
 
 
-def _prerequisites(action: Action, s: int, n: int, split: bool) -> list[Action]:
+def _prerequisites(action: Action, s: int, layout: Layout, split: set[tuple[int, int]]) -> list[Action]:
     """Actions that must have completed earlier on stage s before `action` may run (`split`:
-    the micro-batch's backward runs as I and W)."""
-    mb = action.mb
+    the (chunk, micro-batch)s whose backward runs as I and W)."""
+    mb, c = action.mb, action.chunk
+
+    def backward(chunk: int) -> Action:
+        return Action(Op.I if (chunk, mb) in split else Op.B, mb, chunk=chunk)
+
     if action.op is Op.F:
-        return [Action(Op.RECV_F, mb, s - 1)] if s > 0 else []
+        prev = layout.prev(s, c)
+        if prev is None:
+            return []
+        return [Action(Op.F, mb, chunk=prev[1])] if prev[0] == s else [Action(Op.RECV_F, mb, prev[0], c)]
     if action.op in (Op.B, Op.I):
-        return [Action(Op.F, mb)] + ([Action(Op.RECV_B, mb, s + 1)] if s < n - 1 else [])
+        nxt = layout.next(s, c)
+        if nxt is None:
+            return [Action(Op.F, mb, chunk=c)]
+        return [Action(Op.F, mb, chunk=c),
+                backward(nxt[1]) if nxt[0] == s else Action(Op.RECV_B, mb, nxt[0], c)]
     if action.op is Op.W:
-        return [Action(Op.I, mb)]
+        return [Action(Op.I, mb, chunk=c)]
     if action.op is Op.SEND_F:
-        return [Action(Op.F, mb)]
+        return [Action(Op.F, mb, chunk=c)]
     if action.op is Op.SEND_B:
-        return [Action(Op.I if split else Op.B, mb)]
-    if action.op is Op.RELEASE_OUT:
-        return [Action(Op.SEND_F, mb, s + 1)]
-    if action.op is Op.RELEASE_IN:
-        return [Action(Op.SEND_B, mb, s - 1)]
+        return [backward(c)]
+    if action.op in (Op.RELEASE_OUT, Op.RELEASE_IN):
+        peer = _neighbour(layout, action.op, s, c)[0]
+        return [Action(Op.SEND_F if action.op is Op.RELEASE_OUT else Op.SEND_B, mb, peer, c)]
     return []
 
 
-def _check_stage(programs: list[list[Action]], s: int) -> int:
-    """Check one stage's local ordering rules; return its peak number of live micro-batches."""
+def _check_stage(programs: list[list[Action]], s: int, layout: Layout) -> int:
+    """Check one stage's local ordering rules; return its peak number of live micro-batches
+    (of all its chunks)."""
     n, program = len(programs), programs[s]
 
     def fail(i: int, why: str) -> ScheduleError:
@@ -165,31 +187,38 @@ def _check_stage(programs: list[list[Action]], s: int) -> int:
 
     done: set[Action] = set()
     has = set(program)
-    split = {a.mb for a in program if a.op in (Op.I, Op.W)}
+    split = {a.key for a in program if a.op in (Op.I, Op.W)}
     live = peak = 0
     for i, a in enumerate(program):
         if Action(Op.STEP) in done:
             raise fail(i, "comes after STEP, which must be the last action")
-        if a.is_comm:
-            neighbour = _expected_peer(a.op, s)
-            if not 0 <= a.peer < n:
+        if a.chunk >= layout.n_chunks:
+            raise fail(i, f"names chunk {a.chunk}, but the layout has {layout.n_chunks} chunk(s) per stage")
+        if a.is_comm or a.is_release:
+            neighbour = _neighbour(layout, a.op, s, a.chunk)
+            side = "next" if a.op in (Op.SEND_F, Op.RECV_B, Op.RELEASE_OUT) else "previous"
+            where = f"chunk {a.chunk} of stage {s}" if layout.n_chunks > 1 else f"stage {s}"
+            if a.is_comm and not 0 <= a.peer < n:
                 raise fail(i, f"names peer stage {a.peer}, but programs were given for {n} stage(s)")
-            if not 0 <= neighbour < n:
-                side = "next" if neighbour > s else "previous"
-                raise fail(i, f"talks to a {side} stage, but stage {s} has none")
-            if a.peer != neighbour:
-                raise fail(i, f"must talk to the adjacent stage {neighbour}")
-        if a.op is Op.RELEASE_OUT and s == n - 1:
-            raise fail(i, "is on the last stage, which sends no activations to release")
-        if a.op is Op.RELEASE_IN and s == 0:
-            raise fail(i, "is on the first stage, which receives no activations to release")
+            if neighbour is None and a.op is Op.RELEASE_OUT:
+                raise fail(i, f"is on the last stage ({where}), which sends no activations to release")
+            if neighbour is None and a.op is Op.RELEASE_IN:
+                raise fail(i, f"is on the first stage ({where}), which receives no activations to release")
+            if neighbour is None:
+                raise fail(i, f"talks to a {side} stage, but {where} has none")
+            if neighbour[0] == s:
+                raise fail(i, f"exchanges with chunk {neighbour[1]} of its own stage, which is handed over "
+                              f"without a send")
+            if a.is_comm and a.peer != neighbour[0]:
+                raise fail(i, f"must talk to the adjacent stage {neighbour[0]}")
         if a in done:
             raise fail(i, "appears twice")
         if a.op.is_backward and Action(Op.REDUCE_GRAD) in done:
             raise fail(i, "runs after REDUCE_GRAD, which needs every gradient")
-        if a.op is Op.B and a.mb in split:
-            raise fail(i, f"is a whole backward of a micro-batch whose backward also runs split (I{a.mb}, W{a.mb})")
-        for need in _prerequisites(a, s, n, a.mb in split):
+        if a.op is Op.B and a.key in split:
+            raise fail(i, f"is a whole backward of a micro-batch whose backward also runs split "
+                          f"({Action(Op.I, a.mb, chunk=a.chunk)}, {Action(Op.W, a.mb, chunk=a.chunk)})")
+        for need in _prerequisites(a, s, layout, split):
             if need not in done:
                 raise fail(i, f"runs before {need}")
         done.add(a)
@@ -201,8 +230,11 @@ def _check_stage(programs: list[list[Action]], s: int) -> int:
         elif a.op in (Op.B, Op.W):
             live -= 1
     for i, a in enumerate(program):
-        if a.op is Op.F and not (Action(Op.B, a.mb) in has or {Action(Op.I, a.mb), Action(Op.W, a.mb)} <= has):
-            raise fail(i, f"has no matching B{a.mb} (or I{a.mb} and W{a.mb})")
+        if a.op is not Op.F:
+            continue
+        b, i_, w = (Action(op, a.mb, chunk=a.chunk) for op in (Op.B, Op.I, Op.W))
+        if not (b in has or {i_, w} <= has):
+            raise fail(i, f"has no matching {b} (or {i_} and {w})")
     return peak
 
 
@@ -216,8 +248,10 @@ def _check_collectives(programs: list[list[Action]]) -> None:
         )
 
 
-def _match_channels(programs: list[list[Action]]) -> dict[_Loc, _Loc]:
-    """Pair every send with its receive by channel order; return (stage, index) -> partner."""
+def _match_channels(programs: list[list[Action]], layout: Layout) -> dict[_Loc, _Loc]:
+    """Pair every send with its receive by channel order; return (stage, index) -> partner.
+    A message is a micro-batch's tensor from one virtual stage: of the sender's chunk, and
+    of the receiver's chunk's neighbour."""
     sends: dict[tuple[int, int, str], list[_Loc]] = defaultdict(list)
     recvs: dict[tuple[int, int, str], list[_Loc]] = defaultdict(list)
     for s, program in enumerate(programs):
@@ -229,15 +263,23 @@ def _match_channels(programs: list[list[Action]]) -> dict[_Loc, _Loc]:
                 else:
                     recvs[(a.peer, s, kind)].append((s, i))
 
-    def mb(loc: _Loc) -> int:
-        return programs[loc[0]][loc[1]].mb
+    def message(loc: _Loc) -> tuple[int, int]:
+        a = programs[loc[0]][loc[1]]
+        vs = layout.virtual(loc[0], a.chunk)
+        if not a.is_send:
+            vs += -1 if a.op is Op.RECV_F else 1
+        return a.mb, vs
+
+    def mb(loc: _Loc) -> str:
+        a = programs[loc[0]][loc[1]]
+        return f"{a.mb}" if layout.n_chunks == 1 else f"{a.mb} of virtual stage {message(loc)[1]}"
 
     partner: dict[_Loc, _Loc] = {}
     for src, dst, kind in sorted(sends.keys() | recvs.keys()):
         out, inc = sends[(src, dst, kind)], recvs[(src, dst, kind)]
         shown = _LazyText(programs, sorted({src, dst}))  # only an error message needs it
         for k, (snd, rcv) in enumerate(zip(out, inc)):
-            if mb(snd) != mb(rcv):
+            if message(snd) != message(rcv):
                 raise ScheduleError(
                     f"stage {src} sends {kind}{mb(snd)} to stage {dst} as message #{k} "
                     f"but stage {dst} expects {kind}{mb(rcv)}{shown}"
@@ -261,12 +303,15 @@ def _unit_text(unit: tuple[Action, ...]) -> str:
     return str(unit[0]) if len(unit) == 1 else f"[{format_program(unit)}]"
 
 
-def _needs(a: Action, s: int, n: int) -> tuple[Op, int] | None:
-    """The receive whose data compute `a` on stage s reads, if any."""
-    if a.op is Op.F and s > 0:
-        return Op.RECV_F, a.mb
-    if a.op in (Op.B, Op.I) and s < n - 1:
-        return Op.RECV_B, a.mb
+def _needs(a: Action, s: int, layout: Layout) -> tuple[Op, int, int] | None:
+    """The receive whose data compute `a` on stage s reads, if any (a hand-over between two
+    chunks of the stage is no receive: program order covers it)."""
+    if a.op is Op.F:
+        source = layout.prev(s, a.chunk)
+        return (Op.RECV_F, a.mb, a.chunk) if source is not None and source[0] != s else None
+    if a.op in (Op.B, Op.I):
+        source = layout.next(s, a.chunk)
+        return (Op.RECV_B, a.mb, a.chunk) if source is not None and source[0] != s else None
     return None
 
 
@@ -332,7 +377,7 @@ def _run(
                         break
                     clock[s] = max(at_reduce.values())
                 elif a.is_compute:
-                    need = _needs(a, s, n)
+                    need = _needs(a, s, prepared.layout)
                     start = clock[s]
                     if need is not None:
                         loc = (s, receive[s][need])
@@ -398,7 +443,12 @@ def _deadlock_message(prepared: Prepared, pc: list[int], started: dict, complete
                 details.append(f"\n  stage {s}: REDUCE_GRAD needs stage(s) {', '.join(missing)} to reach it")
         else:
             a = program[pc[s]]
-            states.append(f"stage {s} waits at {a} for {program[receive[s][_needs(a, s, n)]]}")
+            need = _needs(a, s, prepared.layout) if a.is_compute else None
+            if need is not None:
+                states.append(f"stage {s} waits at {a} for {program[receive[s][need]]}")
+            else:  # a send, held by the sends under way on its channel
+                states.append(f"stage {s} waits at {a} for an earlier send on its channel "
+                              f"(at most {SENDS_IN_FLIGHT} under way)")
     for (s, i), (ps, pi) in sorted(partner.items()):
         if (s, i) in completed or (ps, pi) in started:
             continue
