@@ -72,7 +72,11 @@ class KillAndWatchActors(KillWorker):
     # from steps timed with zb-h1; the losses stay the 1F1B reference's.
     ((2, 2, 1), None, 5, 0, 0, False, "auto"),
     ((1, 2, 2), MOE, 4, 2, 1, False, "1f1b"),
-], ids=["dense-dp2pp2-sharded-step3-memory", "dense-dp2pp2-step5-storage-auto", "moe-pp2ep2-step4-memory"])
+    # Two chunks per stage in a V: the new worker holds the lost one's two runs of layers,
+    # restored by name from its peer's replica; the losses stay the 1F1B reference's.
+    ((2, 2, 1), None, 4, 3, 1, False, "zb-v"),
+], ids=["dense-dp2pp2-sharded-step3-memory", "dense-dp2pp2-step5-storage-auto", "moe-pp2ep2-step4-memory",
+        "dense-dp2pp2-step4-memory-zb-v"])
 def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_path, data, grid, model, at, rank,
                                                             memory_every, sharded, schedule, uninterrupted):
     reference = uninterrupted(grid, model)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from raypar.runtime import groups as groups_mod
+from raypar.schedule import Layout
 from raypar.topology import Grid
 
 WORLD = object()
@@ -29,16 +30,19 @@ def fake_dist(monkeypatch):
     return calls, world_size
 
 
-@pytest.mark.parametrize("dp,pp,ep", [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 2)])
-def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_world(fake_dist, dp, pp, ep):
+@pytest.mark.parametrize("dp,pp,ep,layout", [(1, 2, 1, None), (2, 2, 1, None), (1, 2, 2, None), (2, 1, 2, None),
+                                              (1, 1, 4, None), (2, 2, 2, None), (1, 2, 1, Layout(2, 2, "loop")),
+                                              (2, 3, 1, Layout(3, 2, "loop")), (1, 3, 2, Layout(3, 2, "v"))])
+def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_world(fake_dist, dp, pp, ep, layout):
     calls, world_size = fake_dist
     grid = Grid(dp=dp, pp=pp, ep=ep)
     world_size["n"] = grid.size
     timeout = timedelta(seconds=5)
+    links = (layout or Layout(pp)).forward_links()
     per_rank = []
     for rank in range(grid.size):
         calls.clear()
-        g = groups_mod.build_groups(grid, rank, timeout)
+        g = groups_mod.build_groups(grid, rank, timeout, layout)
         per_rank.append(list(calls))
         c = grid.coord(rank)
         expected = {
@@ -56,19 +60,28 @@ def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_worl
                 assert got is WORLD, kind
             else:
                 assert got == tuple(ranks), kind
-        # The pipeline's channels: a two-rank group per direction of each link, of its own
+        # The pipeline's channels: a two-rank group per direction of travel of each link (a
+        # loop's last stage sends back to the first, a V's chunk 1 up the stages), of its own
         # also when the pair is the whole world (each direction needs its own communicator).
         line = grid.pipeline_ranks(c.dp, c.ep)
+        assert g.line == line
         want = {}
-        if c.pp > 0:
-            want.update({("F", "prev"): (line[c.pp - 1], rank), ("B", "prev"): (line[c.pp - 1], rank)})
-        if c.pp < grid.pp - 1:
-            want.update({("F", "next"): (rank, line[c.pp + 1]), ("B", "next"): (rank, line[c.pp + 1])})
+        for a, b in links:
+            for kind, src, dst in (("F", a, b), ("B", b, a)):
+                if c.pp in (src, dst):
+                    want[kind, src, dst] = tuple(sorted([line[src], line[dst]]))
         assert g.channels == want
     # new_group is collective over the world: a rank that skipped or reordered one would hang.
     assert all(c == per_rank[0] for c in per_rank)
-    links = grid.dp * grid.ep * (grid.pp - 1)
-    shared, channels = per_rank[0][:len(per_rank[0]) - 2 * links], per_rank[0][len(per_rank[0]) - 2 * links:]
+    n = grid.dp * grid.ep * 2 * len(links)
+    shared, channels = per_rank[0][:len(per_rank[0]) - n], per_rank[0][len(per_rank[0]) - n:]
     assert all(len(ranks) not in (1, grid.size) for ranks in shared)
-    assert len(channels) == 2 * links and all(len(ranks) == 2 for ranks in channels)
+    assert len(channels) == n and all(len(ranks) == 2 for ranks in channels)
 
+
+def test_loop_and_v_links():
+    """One chunk per stage: activations go down the line, gradients back. Interleaved chunks
+    add the way back from the last stage to the first; a V adds every link upwards."""
+    assert Layout(3).forward_links() == [(0, 1), (1, 2)]
+    assert Layout(3, 2, "loop").forward_links() == [(0, 1), (1, 2), (2, 0)]
+    assert Layout(3, 2, "v").forward_links() == [(0, 1), (1, 2), (2, 1), (1, 0)]

@@ -28,19 +28,27 @@ GRIDS = {
 }
 
 
-@pytest.mark.parametrize("grid", list(GRIDS))
-def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
-    cfg = tiny_config(tmp_path, **GRIDS[grid])
+def run_plan(tmp_path, sections: dict, plan: list[tuple[str, int]], check_step=None) -> None:
+    """Every (schedule, micro-batches) step of `plan` on a worker group and on the reference,
+    matched (`assert_step_matches`); then `check_step(cfg, step, schedule, m, reports)`."""
+    cfg = tiny_config(tmp_path, **sections)
     dataset = synthetic_data(tmp_path, cfg)
     order = SampleOrder(len(dataset), seed=cfg.train.seed)
     ref = ReferenceTrainer(cfg)
     tol = Tolerances(ref)
     group = start_group(cfg, dataset)
     try:
-        for step, (schedule, m) in enumerate(PLAN):
-            assert_step_matches(group, ref, dataset, order, step, schedule, m, tol)
+        for step, (schedule, m) in enumerate(plan):
+            reports, _ = assert_step_matches(group, ref, dataset, order, step, schedule, m, tol)
+            if check_step is not None:
+                check_step(cfg, step, schedule, m, reports)
     finally:
         group.shutdown()
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_pipeline_matches_single_process(ray_session, tmp_path, grid):
+    run_plan(tmp_path, GRIDS[grid], PLAN)
 
 
 # Several model chunks per stage: the group is built for its schedule's layout and runs the
@@ -72,33 +80,26 @@ CHUNKED = {
 }
 
 
+def check_live_microbatches(cfg, step: int, schedule: str, m: int, reports) -> None:
+    """The runtime keeps as many chunk micro-batches' activations as the simulator says; a
+    split backward's micro-batch between its I and W holds less (its W keeps only the layers'
+    inputs and output gradients): there the simulator's count is a bound."""
+    p = cfg.parallel
+    programs = build_programs(schedule, p.pp, m, chunks=p.chunks)
+    simulated = prepare(programs, schedule_layout(schedule, p.pp, p.chunks)).peak_live
+    split = any(a.op is Op.W for a in programs[0])
+    for r in reports:
+        where = f"step {step} ({schedule}), stage {r.stage}"
+        if split:
+            assert 0 < r.peak_live_microbatches <= simulated[r.stage], where
+        else:
+            assert r.peak_live_microbatches == simulated[r.stage], where
+
+
 @pytest.mark.parametrize("grid", list(CHUNKED))
 def test_chunked_pipeline_matches_single_process(ray_session, tmp_path, grid):
     sections, plan = CHUNKED[grid]
-    cfg = tiny_config(tmp_path, **sections)
-    dataset = synthetic_data(tmp_path, cfg)
-    order = SampleOrder(len(dataset), seed=cfg.train.seed)
-    ref = ReferenceTrainer(cfg)
-    tol = Tolerances(ref)
-    group = start_group(cfg, dataset)
-    try:
-        for step, (schedule, m) in enumerate(plan):
-            reports, _ = assert_step_matches(group, ref, dataset, order, step, schedule, m, tol)
-            # The runtime keeps as many chunk micro-batches' activations as the simulator says;
-            # a split backward's micro-batch between its I and W holds less (its W keeps only
-            # the layers' inputs and output gradients): there the simulator's count is a bound.
-            p = cfg.parallel
-            programs = build_programs(schedule, p.pp, m, chunks=p.chunks)
-            simulated = prepare(programs, schedule_layout(schedule, p.pp, p.chunks)).peak_live
-            split = any(a.op is Op.W for a in programs[0])
-            for r in reports:
-                where = f"step {step} ({schedule}), stage {r.stage}"
-                if split:
-                    assert 0 < r.peak_live_microbatches <= simulated[r.stage], where
-                else:
-                    assert r.peak_live_microbatches == simulated[r.stage], where
-    finally:
-        group.shutdown()
+    run_plan(tmp_path, sections, plan, check_live_microbatches)
 
 
 # (schedule, micro-batches, the step each call names as the next one). The first stage
