@@ -166,3 +166,26 @@ def _check_repeated_baselines(out, results: dict) -> None:
         assert b["forward_ms"] > 0 and b["backward_ms"] > 0 and b["compute_vs_alone"] > 0
         assert b["window_ms"] == pytest.approx(b["forward_ms"] + b["backward_ms"] + b["window_idle_ms"])
     assert "Where each pipelined step goes" in out.stdout
+
+
+def test_schedules_bench_runs_on_cpu(tmp_path):
+    """bench/schedules.py: each kind its own launch; ratios to the one-stage ideal and to 1F1B,
+    and the layers each (virtual) stage got."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "bench.schedules", "--out", str(out), "--cpu", "--rounds", "1",
+                    "--steps", "3", "--kinds", "pp1,1f1b,interleaved-1f1b-auto", "--work", str(tmp_path / "work")],
+                   check=True, capture_output=True, text=True, timeout=240)
+    rows = {r["kind"]: r for r in json.loads((out / "schedules.json").read_text())}
+    assert set(rows) == {"pp1", "1f1b", "interleaved-1f1b-auto"} and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["pp1"]["layers_per_stage"] == [4] and rows["1f1b"]["layers_per_stage"] == [2, 2]
+    assert len(rows["interleaved-1f1b-auto"]["layers_per_stage"]) == 4  # 2 stages x 2 chunks
+    # The same model, data and steps in every launch: the same losses, whatever the schedule.
+    assert rows["1f1b"]["final_loss"] == pytest.approx(rows["pp1"]["final_loss"], rel=1e-4)
+    assert rows["interleaved-1f1b-auto"]["final_loss"] == pytest.approx(rows["pp1"]["final_loss"], rel=1e-4)
+    table = (out / "schedules.md").read_text()
+    ideal = rows["1f1b"]["tokens_per_s"] / (2 * rows["pp1"]["tokens_per_s"])
+    assert f"| 1f1b | 2 2 | {rows['1f1b']['tokens_per_s']:,.0f} | {ideal:.3f} | 1.000 |" in table

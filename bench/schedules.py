@@ -1,0 +1,119 @@
+"""Pipeline schedules side by side against the bubble-free ideal (issue 27), in one call.
+
+    python -m bench.schedules --out DIR [--rounds 2] [--steps 10] [--kinds pp1,1f1b,...]   # 2 GPUs
+    python -m bench.schedules --out DIR --cpu --rounds 1 --kinds pp1,zb-v                  # tiny model, CPU
+
+The 1B config (`configs/gpt-1b.yaml`, 8 micro-batches) on one GPU (`pp1`: the ideal for two
+is twice its tokens/s) and on pp=2 with each schedule, with the even layer split or with
+`parallel.layers_per_stage=auto` (kinds ending in `-auto`: layers balanced by modelled cost,
+the head's work counted on its stage). Every launch is its own process (fresh Ray, fresh
+workers) and the order reverses between rounds. Per launch: tokens/s (median steady step),
+measured bubble, peak device memory of the fullest stage. The table gives each kind's
+median over rounds, its share of 2 x pp1 and its peak memory over 1F1B's. Writes
+DIR/schedules.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from bench.launches import run_launch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half")
+KINDS: dict[str, list[str]] = {"pp1": ["parallel.pp=1", "parallel.schedule=1f1b"]}
+for _s in SCHEDULES:
+    KINDS[_s] = ["parallel.pp=2", f"parallel.schedule={_s}"]
+    KINDS[f"{_s}-auto"] = [*KINDS[_s], "parallel.layers_per_stage=auto"]
+CPU_MODEL = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=64",
+             "model.dtype=float32", "data.seq_len=32", "data.synthetic_samples=512", "runtime.device=cpu",
+             "runtime.cpus_per_worker=0.25", "train.global_batch_size=16"]
+
+
+def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
+    """One training run in this process; returns its figures."""
+    from raypar import Trainer, load_config
+
+    cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
+                      [*(CPU_MODEL if cpu else []), "parallel.microbatches=8", *KINDS[kind], f"train.steps={steps}",
+                       f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
+    from raypar.model.partition import split_layers, stage_layers
+    from raypar.schedule import run_layout
+
+    p = cfg.parallel
+    n_virtual = run_layout(p.schedule, p.pp, p.chunks).n_virtual
+    split = [len(r) for r in split_layers(cfg.model.n_layers, n_virtual,
+                                          stage_layers(cfg.model, n_virtual, p.layers_per_stage))]
+    s = Trainer(cfg, log=lambda m: None).fit()
+    steady = s.records[2:] if len(s.records) > 3 else s.records[1:]
+    step_s = statistics.median(r.step_time_s for r in steady)
+    return {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
+            "step_ms": step_s * 1000, "bubble": statistics.median(r.bubble_measured for r in steady),
+            "peak_device_bytes": s.peak_device_bytes, "peak_activation_bytes": s.peak_activation_bytes,
+            "layers_per_stage": split, "final_loss": s.final_loss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kinds", default="pp1,1f1b,zb-h2,interleaved-1f1b,zb-v,1f1b-auto,zb-h2-auto,"
+                                       "interleaved-1f1b-auto,zb-v-auto",
+                    help=f"which of {','.join(KINDS)} each round launches (pp1 gives the ideal)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/schedules"))
+    ap.add_argument("--cpu", action="store_true", help="a tiny model on CPU workers (checks the script)")
+    ap.add_argument("--launch", help=argparse.SUPPRESS)  # internal: run one launch, print its JSON
+    args = ap.parse_args()
+    if args.launch:
+        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
+        return
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown kinds {unknown}; choose from {list(KINDS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for r in range(args.rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            res = {**run_launch(["-m", "bench.schedules", "--out", str(args.out), "--launch", kind,
+                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
+                                 *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
+            results.append(res)
+            print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
+                  f"bubble {res['bubble']:.3f}", flush=True)
+            # After every launch: a call cut short keeps what it measured.
+            (args.out / "schedules.json").write_text(json.dumps(results, indent=1) + "\n")
+            (args.out / "schedules.md").write_text(table(results))
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    """Per kind: median tokens/s over rounds, against 2 x pp1 (the ideal) and 1F1B."""
+    by_kind: dict[str, list[dict]] = {}
+    for r in results:
+        by_kind.setdefault(r["kind"], []).append(r)
+    tps = {k: statistics.median(x["tokens_per_s"] for x in rs) for k, rs in by_kind.items()}
+    # The fullest stage's device peak (its activations' on CPU, where no device is measured).
+    key = "peak_device_bytes" if max(results[0]["peak_device_bytes"] or [0]) else "peak_activation_bytes"
+    peak = {k: max(max(x[key]) for x in rs) for k, rs in by_kind.items()}
+    lines = ["| launch | layers per (virtual) stage | tokens/s (each round) | vs ideal (2 x pp1) | vs 1f1b | bubble measured "
+             "| peak memory vs 1f1b |", "|---|---|---|---|---|---|---|"]
+    for k, rs in by_kind.items():
+        ideal = f"{tps[k] / (2 * tps['pp1']):.3f}" if "pp1" in tps and k != "pp1" else ""
+        vs = f"{tps[k] / tps['1f1b']:.3f}" if "1f1b" in tps and k != "pp1" else ""
+        mem = f"{peak[k] / peak['1f1b']:.2f}" if "1f1b" in peak and k != "pp1" else ""
+        each = " / ".join(f"{x['tokens_per_s']:,.0f}" for x in rs)
+        split = " ".join(map(str, rs[0]["layers_per_stage"]))  # per virtual stage, in model order
+        lines.append(f"| {k} | {split} | {each} | {ideal} | {vs} | {statistics.median(x['bubble'] for x in rs):.3f} "
+                     f"| {mem} |")
+    best = max((k for k in tps if k != "pp1"), key=tps.get, default=None)
+    if best is not None and "pp1" in tps:
+        lines.append(f"\nFastest pipelined launch: {best}, {tps[best] / (2 * tps['pp1']):.3f} of the ideal")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
