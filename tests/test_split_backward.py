@@ -71,6 +71,33 @@ def test_weight_gradients_reach_the_parameters_under_saved_tensor_hooks():
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_the_tracker_counts_what_waits_for_w():
+    """Between I and W the deferred weight gradients hold each layer's input and output
+    gradient: the activation count keeps the micro-batch live, with those bytes, until W."""
+    from raypar.model.split_backward import pending_tensors
+    from raypar.runtime.memory import ActivationTracker
+
+    split = model(True)
+    tracker = ActivationTracker(list(split.parameters()))
+    (tokens, labels), = batches(1)
+    key = (0, 0)
+    with tracker.recording(key):
+        loss = split(tokens, labels)
+    after_forward = tracker.live_bytes()
+    with weight_grads_deferred(key):
+        loss.backward()
+    tracker.backward_done(key)
+    tracker.hold_for_weights(key, pending_tensors(key))
+    waiting = tracker.live_bytes()
+    # Each layer's input (saved by the forward) and its output's gradient (new in I).
+    assert 0 < waiting and tracker.live_microbatches() == 1
+    assert waiting >= sum(t.untyped_storage().nbytes() for t in pending_tensors(key)[1::2])  # the gradients
+    assert after_forward > 0
+    compute_weight_grads(key)
+    tracker.weights_done(key)
+    assert tracker.live_bytes() == 0 and tracker.live_microbatches() == 0
+
+
 def test_a_whole_backward_of_a_split_model_is_unchanged():
     whole, split = model(False), model(True)
     (tokens, labels), = batches(1)

@@ -75,6 +75,12 @@ def pending_weight_grads(key: Hashable) -> int:
         return len(_pending.get(key, ()))
 
 
+def pending_tensors(key: Hashable) -> list[Tensor]:
+    """What the weight gradients waiting under `key` hold: each layer's input and output gradient."""
+    with _lock:
+        return [t for _, x, grad_out in _pending.get(key, ()) for t in (x, grad_out)]
+
+
 def compute_weight_grads(key: Hashable) -> int:
     """W: compute every weight gradient left under `key` and add it to its weight's gradient;
     returns how many."""

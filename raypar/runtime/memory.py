@@ -3,7 +3,8 @@
 Counts the storages autograd saves for backward during each micro-batch's forward
 (caught with saved-tensor hooks; parameters excluded) plus the tensors the runtime
 itself holds for a micro-batch (received inputs, outputs, received gradients, inputs
-kept by activation recompute). Each storage counts once (keyed by its StorageImpl, which
+kept by activation recompute), and, between a split backward's I and its W, what the
+waiting weight gradients hold (each layer's input and output gradient). Each storage counts once (keyed by its StorageImpl, which
 stays put when the data is freed, unlike its data pointer), at its current size, so an
 output whose data was released counts zero from then on.
 """
@@ -24,6 +25,8 @@ class ActivationTracker:
         # Bytes a replayed CUDA graph's forward keeps for its backward, per micro-batch: they
         # live in the graph's memory pool, where no hook sees them.
         self._graphed: dict[int, int] = {}
+        # What a micro-batch's weight gradients hold from its I to its W.
+        self._weights: dict[object, dict[int, torch.UntypedStorage]] = {}
         self.peak_bytes = 0
 
     def reset_peak(self) -> None:
@@ -56,6 +59,18 @@ class ActivationTracker:
         """Micro-batch `mb`'s forward ran as a CUDA graph that keeps `nbytes` for its backward."""
         self._graphed[mb] = nbytes
 
+    def hold_for_weights(self, mb, tensors: list[torch.Tensor]) -> None:
+        """After I: the tensors `mb`'s deferred weight gradients keep until its W."""
+        table = self._weights.setdefault(mb, {})
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage._cdata not in self._param_storages:
+                table.setdefault(storage._cdata, storage)
+
+    def weights_done(self, mb) -> None:
+        """W ran: its inputs are let go."""
+        self._weights.pop(mb, None)
+
     def backward_done(self, mb: int) -> None:
         """Autograd frees what it saved for `mb` once its backward has run."""
         self._saved.pop(mb, None)
@@ -68,13 +83,14 @@ class ActivationTracker:
         self._saved.clear()
         self._held.clear()
         self._graphed.clear()
+        self._weights.clear()
 
     def live_microbatches(self) -> int:
-        return len(self._saved.keys() | self._graphed.keys())
+        return len(self._saved.keys() | self._graphed.keys() | self._weights.keys())
 
     def live_bytes(self) -> int:
         seen: dict[int, torch.UntypedStorage] = {}
-        for table in (self._saved, self._held):
+        for table in (self._saved, self._held, self._weights):
             for storages in table.values():
                 seen.update(storages)
         return sum(s.nbytes() for s in seen.values()) + sum(self._graphed.values())

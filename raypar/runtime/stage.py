@@ -27,7 +27,8 @@ from raypar.data.prefetch import Prefetcher
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
-from raypar.model.split_backward import compute_weight_grads, drop_weight_grads, set_split_backward, weight_grads_deferred
+from raypar.model.split_backward import (compute_weight_grads, drop_weight_grads, pending_tensors, set_split_backward,
+                                         weight_grads_deferred)
 from raypar.optim import MasterOptimizer
 from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
@@ -373,12 +374,14 @@ class StageRuntime:
             if head.op == Op.I:
                 with weight_grads_deferred(head.key):
                     self._backward(state, head)
+                self.tracker.hold_for_weights(head.key, pending_tensors(head.key))
             else:
                 self._backward(state, head)
             if self.cfg.runtime.release:
                 self._after_backward(state, head)
         elif head.op == Op.W:
             compute_weight_grads(head.key)
+            self.tracker.weights_done(head.key)
         elif head.op == Op.RELEASE_OUT:
             out = state.outputs[head.key]
             state.inflight.after_send(Op.SEND_F, head.key, lambda: self._release_output(state, out))
@@ -407,8 +410,9 @@ class StageRuntime:
         state.marks.append((begin, end))
         if head.op.is_backward:
             state.last_backward = end
-        if head.op == Op.F or head.is_comm:
-            # Only a forward or a receive adds activations: the peak follows one of them.
+        if head.op in (Op.F, Op.I) or head.is_comm:
+            # Only a forward, a receive or an I (its output gradients wait for W) adds
+            # activations: the peak follows one of them.
             self.tracker.sample()
             state.peak_live = max(state.peak_live, self.tracker.live_microbatches())
 
