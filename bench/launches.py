@@ -5,10 +5,12 @@ sharded_optimizer): the script re-runs itself with `--launch KIND`, which prints
 `bench` package, for a baseline)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 PREFIX = "LAUNCH "
@@ -29,3 +31,34 @@ def run_launch(argv: list[str], tree: Path, what: str) -> dict:
         raise SystemExit(f"launch {what} failed (exit {proc.returncode})")
     return json.loads(line[len(PREFIX):])
 
+
+
+def launch_parser(doc: str, kinds: list[str], default_kinds: list[str], steps: int, work: str) -> argparse.ArgumentParser:
+    """The options every alternating-launch script takes: --out, --rounds, --steps, --kinds,
+    --work, --cpu, and the internal --launch KIND that runs one launch in this process."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--kinds", default=",".join(default_kinds), help=f"which of {','.join(kinds)} each round launches")
+    ap.add_argument("--work", type=Path, default=Path(work))
+    ap.add_argument("--cpu", action="store_true", help="a tiny model on CPU workers (checks the script)")
+    ap.add_argument("--launch", help=argparse.SUPPRESS)
+    return ap
+
+
+def chosen_kinds(text: str, kinds: list[str]) -> list[str]:
+    """The comma-separated `text` as kinds, each one of `kinds` (else the script ends, naming them)."""
+    chosen = [k for k in text.split(",") if k]
+    unknown = [k for k in chosen if k not in kinds]
+    if unknown:
+        raise SystemExit(f"unknown kinds {unknown}; choose from {kinds}")
+    return chosen
+
+
+def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, kind) for every launch: each round runs every kind, odd rounds in reverse
+    order, so no kind always runs first on a machine that warms up or tires."""
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            yield r, kind

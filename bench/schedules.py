@@ -14,12 +14,11 @@ DIR/schedules.json and .md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from bench.launches import run_launch
+from bench.launches import alternating, chosen_kinds, launch_parser, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half")
@@ -27,6 +26,9 @@ KINDS: dict[str, list[str]] = {"pp1": ["parallel.pp=1", "parallel.schedule=1f1b"
 for _s in SCHEDULES:
     KINDS[_s] = ["parallel.pp=2", f"parallel.schedule={_s}"]
     KINDS[f"{_s}-auto"] = [*KINDS[_s], "parallel.layers_per_stage=auto"]
+# The ideal (pp1), the plain schedules and those on cost-balanced stages.
+DEFAULT_KINDS = ["pp1", "1f1b", "zb-h2", "interleaved-1f1b", "zb-v", "1f1b-auto", "zb-h2-auto",
+                 "interleaved-1f1b-auto", "zb-v-auto"]
 CPU_MODEL = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=64",
              "model.dtype=float32", "data.seq_len=32", "data.synthetic_samples=512", "runtime.device=cpu",
              "runtime.cpus_per_worker=0.25", "train.global_batch_size=16"]
@@ -35,13 +37,12 @@ CPU_MODEL = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.
 def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
+    from raypar.model.partition import split_layers, stage_layers
+    from raypar.schedule import run_layout
 
     cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
                       [*(CPU_MODEL if cpu else []), "parallel.microbatches=8", *KINDS[kind], f"train.steps={steps}",
                        f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
-    from raypar.model.partition import split_layers, stage_layers
-    from raypar.schedule import run_layout
-
     p = cfg.parallel
     n_virtual = run_layout(p.schedule, p.pp, p.chunks).n_virtual
     split = [len(r) for r in split_layers(cfg.model.n_layers, n_virtual,
@@ -56,37 +57,24 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--kinds", default="pp1,1f1b,zb-h2,interleaved-1f1b,zb-v,1f1b-auto,zb-h2-auto,"
-                                       "interleaved-1f1b-auto,zb-v-auto",
-                    help=f"which of {','.join(KINDS)} each round launches (pp1 gives the ideal)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/schedules"))
-    ap.add_argument("--cpu", action="store_true", help="a tiny model on CPU workers (checks the script)")
-    ap.add_argument("--launch", help=argparse.SUPPRESS)  # internal: run one launch, print its JSON
+    ap = launch_parser(__doc__, list(KINDS), DEFAULT_KINDS, steps=10, work="/tmp/schedules")
     args = ap.parse_args()
     if args.launch:
         print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
         return
-    kinds = [k for k in args.kinds.split(",") if k]
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise SystemExit(f"unknown kinds {unknown}; choose from {list(KINDS)}")
+    kinds = chosen_kinds(args.kinds, list(KINDS))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for r in range(args.rounds):
-        for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            res = {**run_launch(["-m", "bench.schedules", "--out", str(args.out), "--launch", kind,
-                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
-                                 *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
-            results.append(res)
-            print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
-                  f"bubble {res['bubble']:.3f}", flush=True)
-            # After every launch: a call cut short keeps what it measured.
-            (args.out / "schedules.json").write_text(json.dumps(results, indent=1) + "\n")
-            (args.out / "schedules.md").write_text(table(results))
+    for r, kind in alternating(kinds, args.rounds):
+        res = {**run_launch(["-m", "bench.schedules", "--out", str(args.out), "--launch", kind,
+                             "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
+                             *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
+        results.append(res)
+        print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
+              f"bubble {res['bubble']:.3f}", flush=True)
+        # After every launch: a call cut short keeps what it measured.
+        (args.out / "schedules.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "schedules.md").write_text(table(results))
     print(table(results))
 
 

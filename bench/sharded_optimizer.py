@@ -15,12 +15,11 @@ that starting it inside backward hides. Writes DIR/sharded_optimizer.json and .m
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from bench.launches import run_launch
+from bench.launches import alternating, chosen_kinds, launch_parser, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -55,33 +54,22 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"which of {','.join(KINDS)} each round launches")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/sharded-optimizer"))
-    ap.add_argument("--cpu", action="store_true", help="a tiny model on CPU workers (checks the script)")
-    ap.add_argument("--launch", help=argparse.SUPPRESS)  # internal: run one launch, print its JSON
+    ap = launch_parser(__doc__, list(KINDS), list(KINDS), steps=12, work="/tmp/sharded-optimizer")
     args = ap.parse_args()
     if args.launch:
         print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
         return
-    kinds = [k for k in args.kinds.split(",") if k]
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise SystemExit(f"unknown kinds {unknown}; choose from {list(KINDS)}")
+    kinds = chosen_kinds(args.kinds, list(KINDS))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for r in range(args.rounds):
-        for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            res = {**run_launch(["-m", "bench.sharded_optimizer", "--out", str(args.out), "--launch", kind,
-                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
-                                 *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
-            results.append(res)
-            print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
-                  f"optimizer {max(res['optimizer_bytes']) / 2**20:,.0f} MiB per worker, "
-                  f"reduce {res['reduce_ms']:.1f} ms, optimizer step {res['optimizer_ms']:.1f} ms", flush=True)
+    for r, kind in alternating(kinds, args.rounds):
+        res = {**run_launch(["-m", "bench.sharded_optimizer", "--out", str(args.out), "--launch", kind,
+                             "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
+                             *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
+        results.append(res)
+        print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
+              f"optimizer {max(res['optimizer_bytes']) / 2**20:,.0f} MiB per worker, "
+              f"reduce {res['reduce_ms']:.1f} ms, optimizer step {res['optimizer_ms']:.1f} ms", flush=True)
     (args.out / "sharded_optimizer.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "sharded_optimizer.md").write_text(table(results))
     print(table(results))
