@@ -186,3 +186,40 @@ def test_elastic_plans_only_grids_the_schedule_can_run():
     plan = plan_grid(cfg, workers=3)
     assert plan is not None and plan.microbatches % plan.grid.pp == 0
     assert schedule_fits("interleaved-1f1b", plan.grid.pp, plan.microbatches, 8) is None
+
+
+# --- what a user sees: raypar plan and timelines -----------------------------------------------
+
+
+def test_plan_prints_the_chunked_schedules_on_one_scale(capsys):
+    from raypar.driver.cli import main as cli_main
+
+    assert cli_main(["plan", "--config", "configs/tiny.yaml", "parallel.pp=2", "parallel.microbatches=8"]) == 0
+    out = capsys.readouterr().out
+    one_chunk, chunked = out.split("several model chunks per stage")
+    assert "<- chosen" in one_chunk and "zb-v" not in one_chunk
+    rows = {line.split()[0]: float(line.split()[1]) for line in chunked.splitlines()[2:] if line.strip()}
+    assert set(rows) == {"interleaved-1f1b", "zb-v", "zb-v-half"}
+    # One scale for both tables: the fastest of all is 1.000, wherever it is.
+    steps = [float(line.split()[1]) for line in one_chunk.splitlines() if line.split()[:1] and
+             line.split()[0] in ("1f1b", "fthenb", "zb-h1", "zb-h2")]
+    assert min(steps + list(rows.values())) == 1.0
+
+
+def test_a_zb_v_run_shows_its_chunks_in_plan_and_timeline(ray_session, tmp_path, capsys):
+    from raypar.driver.cli import main as cli_main
+    from raypar.driver.trainer import Trainer
+    from raypar.timeline import chrome_trace, load_step
+
+    run = tmp_path / "run"
+    cfg = load_config("configs/tiny.yaml", ["parallel.schedule=zb-v", "train.steps=3", f"runtime.run_dir={run}",
+                                            "runtime.metrics=off", "runtime.cpus_per_worker=0.25"])
+    Trainer(cfg, log=lambda m: None).fit()
+    # From a run of two chunks per stage, only the schedules of its layout are predicted.
+    assert cli_main(["plan", "--from-run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "zb-v-half" in out and "interleaved-1f1b" not in out and "<- chosen" not in out
+    events = chrome_trace(load_step(run, 2))["traceEvents"]
+    chunks = {(e["pid"], e["args"]["chunk"]) for e in events if e.get("ph") == "X" and e["cat"] == "forward"}
+    assert chunks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # both stages run both chunks
+    assert any(e["name"] == "F0c1" for e in events if e.get("ph") == "X")
