@@ -104,19 +104,17 @@ def run(ctx: "Context") -> list[dict]:
             rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
                 label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, compared_to=schedules[0][0],
                 breakdown=step_breakdown(c.runtime.run_dir)))
-            for schedule in [*ZERO_BUBBLE, *CHUNKED] if launch == 0 else ():  # against the rows of every launch
-                label = f"raypar {schedule}"
-                c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true"], label)
-                rows += ctx.attempt(label, lambda label=label, c=c, schedule=schedule: ctx.row(
-                    label, c, *ctx.fit(c, label, fresh=launch > 0),
-                    schedule=schedule if schedule in CHUNKED else None, zero_bubble=True,
-                    breakdown=step_breakdown(c.runtime.run_dir)))
-            for schedule in BALANCED if launch == 0 else ():
-                label = f"raypar {schedule}, layers_per_stage=auto"
-                c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true", "parallel.layers_per_stage=auto"],
-                               label)
-                rows += ctx.attempt(label, lambda label=label, c=c: ctx.row(
-                    label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=None, zero_bubble=True,
+            # Against the rows of every launch: the zero-bubble and chunked schedules, then some
+            # on stages balanced by cost.
+            others = [(s, "") for s in [*ZERO_BUBBLE, *CHUNKED]] + [(s, "auto") for s in BALANCED]
+            for schedule, split in others if launch == 0 else ():
+                label = f"raypar {schedule}" + (f", layers_per_stage={split}" if split else "")
+                c = ctx.config([f"parallel.schedule={schedule}", "runtime.release=true",
+                                *([f"parallel.layers_per_stage={split}"] if split else [])], label)
+                # A chunked row on the even split pairs with torch's schedule that places chunks alike.
+                paired = schedule if schedule in CHUNKED and not split else None
+                rows += ctx.attempt(label, lambda label=label, c=c, paired=paired: ctx.row(
+                    label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=paired, zero_bubble=True,
                     breakdown=step_breakdown(c.runtime.run_dir)))
             if launch == 0:
                 # parallel.schedule=auto: what it chose from its timed steps, against every schedule measured.

@@ -56,9 +56,13 @@ def chosen_kinds(text: str, kinds: list[str]) -> list[str]:
     return chosen
 
 
-def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
-    """(round, kind) for every launch: each round runs every kind, odd rounds in reverse
-    order, so no kind always runs first on a machine that warms up or tires."""
-    for r in range(rounds):
+def each_launch(module: str, args: argparse.Namespace, kinds: list[str], tree: Path) -> Iterator[dict]:
+    """Every launch of `kinds` over `args.rounds` rounds, each `python -m module --launch KIND`
+    (with `launch_parser`'s --steps, --work of its round and --cpu) in its own process; yields
+    each result with its round. Odd rounds run the kinds in reverse order, so no kind always
+    runs first on a machine that warms up or tires."""
+    for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            yield r, kind
+            argv = ["-m", module, "--out", str(args.out), "--launch", kind, "--steps", str(args.steps),
+                    "--work", str(args.work / f"round{r}"), *(["--cpu"] if args.cpu else [])]
+            yield {**run_launch(argv, tree, f"{kind} of round {r}"), "round": r}

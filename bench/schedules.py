@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.launches import alternating, chosen_kinds, launch_parser, run_launch
+from bench.launches import chosen_kinds, each_launch, launch_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half")
@@ -65,12 +65,9 @@ def main() -> None:
     kinds = chosen_kinds(args.kinds, list(KINDS))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for r, kind in alternating(kinds, args.rounds):
-        res = {**run_launch(["-m", "bench.schedules", "--out", str(args.out), "--launch", kind,
-                             "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
-                             *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
+    for res in each_launch("bench.schedules", args, kinds, ROOT):
         results.append(res)
-        print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
+        print(f"round {res['round']} {res['kind']}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
               f"bubble {res['bubble']:.3f}", flush=True)
         # After every launch: a call cut short keeps what it measured.
         (args.out / "schedules.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.launches import alternating, chosen_kinds, launch_parser, run_launch
+from bench.launches import chosen_kinds, each_launch, launch_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -62,12 +62,9 @@ def main() -> None:
     kinds = chosen_kinds(args.kinds, list(KINDS))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for r, kind in alternating(kinds, args.rounds):
-        res = {**run_launch(["-m", "bench.sharded_optimizer", "--out", str(args.out), "--launch", kind,
-                             "--steps", str(args.steps), "--work", str(args.work / f"round{r}"),
-                             *(["--cpu"] if args.cpu else [])], ROOT, f"{kind} of round {r}"), "round": r}
+    for res in each_launch("bench.sharded_optimizer", args, kinds, ROOT):
         results.append(res)
-        print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
+        print(f"round {res['round']} {res['kind']}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
               f"optimizer {max(res['optimizer_bytes']) / 2**20:,.0f} MiB per worker, "
               f"reduce {res['reduce_ms']:.1f} ms, optimizer step {res['optimizer_ms']:.1f} ms", flush=True)
     (args.out / "sharded_optimizer.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -50,13 +50,13 @@ def chunked_predictions(cfg: Config, costs: UnitCosts | None) -> list[Prediction
     fastest first: modelled on their own layouts when `costs` is None, else with `costs`
     (measured on a run of that layout: only the schedules that share it)."""
     p, out = cfg.parallel, []
-    run_layout = None if costs is None or p.schedule not in CHUNKED_SCHEDULES else schedule_layout(
+    measured_on = None if costs is None or p.schedule not in CHUNKED_SCHEDULES else schedule_layout(
         p.schedule, p.pp, p.chunks)
     for name in CHUNKED_SCHEDULES:
         if schedule_fits(name, p.pp, p.microbatches, cfg.model.n_layers) is not None:
             continue
         layout = schedule_layout(name, p.pp)
-        if costs is not None and layout != run_layout:
+        if costs is not None and layout != measured_on:
             continue
         out.append(predict(name, p.microbatches, costs or config_costs(cfg, layout)))
     return sorted(out, key=lambda x: x.step_s)
