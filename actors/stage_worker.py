@@ -6,12 +6,12 @@ import os
 import socket
 import threading
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
+import torch.distributed as dist
 
 from raypar import host_wait, kernels
 from raypar.checkpoint.pieces import FlatPieces, split_piece_name
@@ -21,7 +21,7 @@ from raypar.data.source import open_corpus
 from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
-from raypar.runtime.profile import profiled
+from raypar.runtime.profile import StepProfiler
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -91,6 +91,7 @@ class StageWorker:
         self.recent = RecentStates()
         self._peer = None
         self.program_version = 0  # of the program set by set_program; 0: none yet
+        self._profiler: StepProfiler | None = None  # runtime.profile_step's, from the step before it
         # Set when a step failed or the driver aborted: the groups are broken and steps
         # queued behind (the driver sends the next step before the last one returns) are
         # refused until `reset`, instead of waiting on peers that have left.
@@ -223,8 +224,16 @@ class StageWorker:
             profiled = self.cfg.runtime.profile_step
             if snapshot is not None or profiled in (step, step + 1):
                 next_sample_ids = None
-            with self._profiling(step):
-                report = self.runtime.run_step(step, sample_ids, capture_grads, next_sample_ids)
+            if profiled == step:
+                if self._profiler is None:  # the run starts at the profiled step
+                    self._profiler = self._start_profiler(step)
+                self._profiler.record(ready=self._every_worker_ready)
+            report = self.runtime.run_step(step, sample_ids, capture_grads, next_sample_ids)
+            if profiled == step:
+                self._profiler.stop()
+                self._profiler = None
+            elif profiled == step + 1:
+                self._profiler = self._start_profiler(step + 1)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
             if memory:
@@ -246,12 +255,19 @@ class StageWorker:
         """The last step's units that its report did not have (see `StepReport.pending_units`)."""
         return self.runtime.late_units()
 
-    def _profiling(self, step: int):
-        """torch.profiler around step `step` if it is `runtime.profile_step`."""
-        if step != self.cfg.runtime.profile_step:
-            return nullcontext()
+    def _every_worker_ready(self) -> None:
+        """Return once every worker is here (their profilers started): a barrier over all
+        of them, waited for on the host, so the traces start together."""
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _start_profiler(self, step: int) -> StepProfiler:
+        """The profiler of step `step` (`runtime.profile_step`), started now: after the step
+        before it, so that every worker's trace starts with the step (see StepProfiler)."""
         trace = Path(self.cfg.runtime.run_dir) / "profile" / f"rank{self.rank}-step{step}.json"
-        return profiled(trace, self.device.type == "cuda")
+        return StepProfiler(trace, self.device.type == "cuda")
 
     def start_snapshot(self, step: int, options: dict) -> float:
         return self.runtime.start_snapshot(step, **options)

@@ -41,7 +41,8 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
     common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
     eager = ["runtime.cuda_graphs=false"] if kind.endswith("-eager") else []
     if kind.startswith("dense"):
-        cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"), [*common, *eager])
+        cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
+                          [*common, *eager, f"runtime.profile_step={PROFILED_STEP}"])
     else:
         kernels = "false" if kind == "moe-kernels-off" else "true"
         alltoall = "exact" if kind == "moe-exact" else "padded"
@@ -49,8 +50,9 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
                           [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.moe_alltoall={alltoall}",
                            f"runtime.profile_step={PROFILED_STEP}", *eager, *overrides])
     s = Trainer(cfg, log=lambda m: None).fit()
-    # The profiled step and the one after it run slower (the profiler's own work): leave both out.
-    steady = [r for r in s.records[1:] if r.step not in (PROFILED_STEP, PROFILED_STEP + 1)]
+    # The profiler starts at the end of the step before the profiled one and stops in the
+    # profiled one: leave out the three steps its work slows.
+    steady = [r for r in s.records[1:] if r.step not in range(PROFILED_STEP - 1, PROFILED_STEP + 2)]
     step_s = statistics.median(r.step_time_s for r in steady)
     out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
            "step_ms": step_s * 1000, "steps_ms": [round(r.step_time_s * 1000) for r in s.records],
@@ -59,9 +61,11 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
     if traces:
         workers = [device_time(t) for t in traces]
         out["workers"] = [{"span_ms": w["span_ms"], "busy_ms": w["busy_ms"], "compute_busy_ms": w["compute_busy_ms"],
-                           "exposed_ms": w["exposed_ms"],
+                           "exposed_ms": w["exposed_ms"], "top_kernels": w["top_kernels"],
                            "by_kind": {k: round(v["ms"], 1) for k, v in w["by_kind"].items()}} for w in workers]
-        out["exposed_alltoall_share"] = max(w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"] for w in workers)
+        if not kind.startswith("dense"):
+            out["exposed_alltoall_share"] = max(w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"]
+                                                for w in workers)
     return out
 
 

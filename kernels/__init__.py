@@ -7,12 +7,14 @@ when a GPU run falls back. CPU runs use the references by design.
 from __future__ import annotations
 
 from raypar.kernels.residual_dropout import dropout_add, dropout_add_reference, keep_mask, sample_seeds, site_salt
+from raypar.kernels.grad_accumulate import accumulate_
 from raypar.kernels.loader import set_enabled, unavailable_reason
 from raypar.kernels.moe_permute import permute, unpermute
 from raypar.kernels.multi_tensor import copy_, ema_update_
+from raypar.kernels.swiglu import swiglu, swiglu_reference
 
 KERNELS = {"moe_permute": "moe_permute.cu", "moe_layout": "moe_layout.cu", "dropout_add": "dropout_add.cu",
-           "multi_tensor": "multi_tensor.cu"}
+           "multi_tensor": "multi_tensor.cu", "swiglu": "swiglu.cu", "grad_accumulate": "grad_accumulate.cu"}
 
 
 def load_all() -> dict[str, str]:
@@ -27,5 +29,5 @@ def load_all() -> dict[str, str]:
     return status
 
 
-__all__ = ["copy_", "dropout_add", "dropout_add_reference", "ema_update_", "keep_mask", "load_all", "permute",
-           "sample_seeds", "set_enabled", "site_salt", "unavailable_reason", "unpermute"]
+__all__ = ["accumulate_", "copy_", "dropout_add", "dropout_add_reference", "ema_update_", "keep_mask", "load_all",
+           "permute", "sample_seeds", "set_enabled", "site_salt", "swiglu", "swiglu_reference", "unavailable_reason", "unpermute"]

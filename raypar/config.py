@@ -184,6 +184,12 @@ class RuntimeConfig:
     # NVLink (2 x H100) 2 pieces ran 0.77x and 4 ran 0.43x the tokens/s of 1, whose
     # exchanges are waited for in line (BENCHMARKS.md). The exact exchange is always whole.
     moe_chunks: int = 1
+    # A backward of MoE layers with parallel.ep > 1 (padded exchange) leaves each layer's
+    # weight gradients until the next all-to-all has left, and computes them while its rows
+    # travel: backward has nothing else to do then. Gradients are the same products, added
+    # in another order. Off: every backward exchange is waited for in line. Not used by
+    # schedules that split backward into I and W themselves (zb-*).
+    moe_backward_overlap: bool = True
     # On a stage that is the whole model (parallel.pp=1) on GPU, each micro-batch's forward
     # and backward replay CUDA graphs captured at the first step: the host issues two
     # launches per micro-batch instead of every op (MoE layers issue ~60 a layer and

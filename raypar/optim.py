@@ -16,7 +16,7 @@ from torch import nn
 from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.host_ema import HostEma
-from raypar.kernels import ema_update_
+from raypar.kernels import accumulate_, ema_update_
 from raypar.model.experts import named_slices
 
 
@@ -119,7 +119,7 @@ class MasterOptimizer:
         def hook(p: torch.Tensor) -> None:
             if p.grad is None:  # a backward that left this weight's gradient for later (split_backward)
                 return
-            master.grad.add_(p.grad)
+            accumulate_(master.grad, p.grad)
             p.grad = None
 
         return hook

@@ -25,6 +25,7 @@ from torch import nn
 
 from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
+from raypar.kernels import accumulate_
 from raypar.model.experts import named_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
 from raypar.runtime.comm import wait_for
@@ -227,7 +228,7 @@ class Family:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:  # a backward that left this weight's gradient for later (split_backward)
                 return
-            into.add_(param.grad)
+            accumulate_(into, param.grad)
             param.grad = None
             if self.ranks == 1 or not self.overlap:
                 return

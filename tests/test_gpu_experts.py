@@ -1,5 +1,7 @@
 """Grouped expert GEMMs on a GPU: torch's grouped_mm (bf16) against an fp32 loop over the
 experts, and a MoE layer on the GPU against the same layer on the CPU."""
+import contextlib
+
 import pytest
 import torch
 
@@ -7,15 +9,19 @@ from raypar.config import config_from_dict
 from raypar.model import build_stage
 import raypar.model.experts as experts_module
 from raypar.model.experts import group_alignment, grouped_layout, grouped_linear
+from raypar.model.split_backward import compute_weight_grads, weight_grads_deferred
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
+@pytest.mark.parametrize("backward", ["torch", "split", "deferred"])
 @pytest.mark.parametrize("sizes", [[37, 0, 129, 5], [0, 0, 300, 0], [1, 1, 1, 1], [512, 512, 512, 512]])
-def test_grouped_mm_matches_a_loop_in_fp32(sizes):
-    """Rows laid out as the MoE layer lays them out on a GPU (each group padded to 16 bytes)."""
+def test_grouped_mm_matches_a_loop_in_fp32(sizes, backward):
+    """Rows laid out as the MoE layer lays them out on a GPU (each group padded to 16 bytes).
+    backward: torch's grouped_mm backward; raypar's own (`split`, the weight gradient a
+    grouped GEMM over the rows), whole or deferred to W."""
     g = torch.Generator(device="cuda").manual_seed(sum(sizes))
     d_in, d_out, n = 256, 384, len(sizes)
     counts = torch.tensor(sizes, device="cuda")
@@ -26,9 +32,11 @@ def test_grouped_mm_matches_a_loop_in_fp32(sizes):
     position, ends, total = grouped_layout(group, counts, align)
     x = torch.zeros(total, d_in, device="cuda").index_copy_(0, position, x_rows).bfloat16().requires_grad_()
     w = (torch.randn(n, d_out, d_in, device="cuda", generator=g) / d_in ** 0.5).bfloat16().requires_grad_()
-    y = grouped_linear(x, w, ends)
+    y = grouped_linear(x, w, ends, split=backward != "torch")
     seed = torch.randn(y.shape, device="cuda", generator=g)
-    (y.float()[position] * seed[position]).sum().backward()
+    with weight_grads_deferred("w") if backward == "deferred" else contextlib.nullcontext():
+        (y.float()[position] * seed[position]).sum().backward()
+    assert compute_weight_grads("w") == (backward == "deferred")
 
     xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     bounds = [0, *ends.tolist()]

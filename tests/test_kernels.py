@@ -145,3 +145,20 @@ def test_fallback_is_said_once(capsys):
     loader.say_once("test-key", "falls back")
     loader.say_once("test-key", "falls back")
     assert capsys.readouterr().out.count("falls back") == 1
+
+
+def test_swiglu_reference_is_silu_of_gate_times_up_and_checks_its_input():
+    gu = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    gate, up = gu[..., :4], gu[..., 4:]
+    torch.testing.assert_close(kernels.swiglu(gu), gate * torch.sigmoid(gate) * up)
+    assert torch.autograd.gradcheck(kernels.swiglu, (gu,))
+    with pytest.raises(ValueError, match="even size"):
+        kernels.swiglu(torch.zeros(2, 7))
+
+
+def test_gradient_accumulation_reference_adds_in_fp32():
+    main = torch.full((3, 5), 1.0)
+    kernels.accumulate_(main, torch.full((3, 5), 2 ** -10, dtype=torch.bfloat16))
+    assert main.dtype == torch.float32 and torch.equal(main, torch.full((3, 5), 1 + 2 ** -10))
+    with pytest.raises(ValueError, match="does not match"):
+        kernels.accumulate_(torch.zeros(4), torch.zeros(5))

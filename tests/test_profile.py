@@ -11,14 +11,18 @@ from raypar.driver.trainer import Trainer
 from helpers import tiny_config
 
 
-def test_every_worker_writes_the_profiled_steps_trace(ray_session, tmp_path):
-    cfg = tiny_config(tmp_path, train={"steps": 3}, runtime={"profile_step": 1})
+@pytest.mark.parametrize("step", [0, 1], ids=["first-step", "later-step"])
+def test_every_worker_writes_the_profiled_steps_trace(ray_session, tmp_path, step):
+    """The profiler starts after the step before (or before the first) and records from the
+    barrier that waits for every worker's: the barrier itself is not in the trace."""
+    cfg = tiny_config(tmp_path, train={"steps": 3}, runtime={"profile_step": step})
     Trainer(cfg).fit()
     traces = sorted((tmp_path / "run" / "profile").iterdir())
-    assert [t.name for t in traces] == ["rank0-step1.json", "rank1-step1.json"]
+    assert [t.name for t in traces] == [f"rank0-step{step}.json", f"rank1-step{step}.json"]
     for trace in traces:
         names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
         assert any(n and n.startswith("aten::") for n in names)  # the step's ops
+        assert not any(n and "barrier" in n for n in names), sorted(n for n in names if n and "barrier" in n)
         assert device_time(trace)["kernels"] == 0  # a CPU run has no kernels
 
 

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar.kernels import swiglu
+from raypar.model.split_backward import defer_weight_grad
+
 # Grouped GEMM kernels read each group's rows with 16-byte aligned accesses.
 ALIGN_BYTES = 16
 # Public from torch 2.10; the same op before that.
@@ -28,6 +31,8 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 class GroupedExperts(nn.Module):
     """Experts first .. first + count - 1 of one MoE layer, each a SwiGLU MLP."""
+
+    split_backward = False  # set by `split_backward.set_split_backward`
 
     def __init__(self, dim: int, hidden: int, first: int, count: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -38,8 +43,8 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: Tensor, ends: Tensor) -> Tensor:
         """rows [r, dim] grouped by expert; ends int32 [count], cumulative. Rows past
         ends[-1] are not computed: their outputs are undefined and must not be read."""
-        gate, up = grouped_linear(rows, self.w13, ends).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.w2, ends)
+        split = self.split_backward and torch.is_grad_enabled()
+        return grouped_linear(swiglu(grouped_linear(rows, self.w13, ends, split)), self.w2, ends, split)
 
     def slices(self, prefix: str) -> dict[str, list[tuple[str, tuple]]]:
         """Checkpoint names of each expert's weights and where they sit in the stacks."""
@@ -115,15 +120,16 @@ def _last_is(ends: Tensor, value: int) -> Tensor:
     return torch.cat([ends[:-1], ends.new_full((1,), value)]).to(torch.int32)
 
 
-def grouped_linear(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+def grouped_linear(x: Tensor, w: Tensor, ends: Tensor, split: bool = False) -> Tensor:
     """Rows of group i times w[i].T: x [r, in] grouped, w [g, out, in], ends int32 [g].
-    Rows past ends[-1] are not computed (their outputs are undefined)."""
+    Rows past ends[-1] are not computed (their outputs are undefined). `split`: the weight's
+    gradient may be deferred (`split_backward`); shapes that loop over groups stay whole."""
     if x.shape[0] == 0:
         return x @ w[0].t()  # empty, but on the graph: an all-to-all's backward must still run
     if _aligned(x, w):
-        if x.is_cuda and x.dtype == torch.bfloat16:
+        if x.is_cuda and x.dtype == torch.bfloat16 and not split:
             return _grouped_mm(x, w.transpose(-2, -1), offs=ends)
-        if not x.is_cuda:
+        if not x.is_cuda or x.dtype == torch.bfloat16:
             return _GroupedLinear.apply(x, w, ends)
     return _looped_linear(x, w, ends)
 
@@ -134,12 +140,13 @@ def _aligned(x: Tensor, w: Tensor) -> bool:
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """The grouped GEMM with its two gradients as grouped GEMMs too (the CPU's grouped_mm
-    has no backward of its own)."""
+    """The grouped GEMM with its two gradients as grouped GEMMs too: the CPU's grouped_mm has
+    no backward of its own, and the weight's gradient may wait (`split_backward`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
         ctx.save_for_backward(x, w, ends)
+        ctx.parameter = w  # not the saved tensor: see split_backward._SplitLinear
         return _grouped_mm(x, w.transpose(-2, -1), offs=ends)
 
     @staticmethod
@@ -147,8 +154,16 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, ends = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = _grouped_mm(grad, w, offs=ends) if ctx.needs_input_grad[0] else None
-        grad_w = _grouped_mm(grad.t(), x, offs=ends) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None
+
+        def weight_grad() -> Tensor:
+            # [g, out, in] from the rows of each group: the weight's own layout, no copy.
+            return _grouped_mm(grad.t(), x, offs=ends)
+
+        if defer_weight_grad(ctx.parameter, weight_grad, (x, grad)):
+            return grad_x, None, None
+        return grad_x, weight_grad(), None
 
 
 def _looped_linear(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:

@@ -17,7 +17,9 @@ gathers the experts' output back into block order and queues the return; `return
 waits and sums each token's rows with its router weights. In backward the gradient's
 exchange is queued where forward waited and waited for where forward queued it, so work
 between the two runs while rows travel (on the GPU the exchange runs on the
-communicator's stream).
+communicator's stream). In a whole backward that work is the weight gradients left by the
+layers since the last exchange (`split_backward.run_while_exchanging`); without them the
+exchange is waited for right after it leaves.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from raypar.kernels.moe_layout import padded_recv_layout, padded_send_layout
 from raypar.kernels.moe_permute import combine_rows, gather_rows, row_dot
+from raypar.model.split_backward import run_while_exchanging
 
 COUNT_BYTES = 8  # an int64 count
 
@@ -111,7 +114,9 @@ class _ReceiveRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, *_):
         (row_of,) = ctx.saved_tensors
-        return ctx.exchange.queue(combine_rows(grad, row_of.unsqueeze(1), None, ctx.rows)), None, None, None, None
+        out = ctx.exchange.queue(combine_rows(grad, row_of.unsqueeze(1), None, ctx.rows))
+        run_while_exchanging()
+        return out, None, None, None, None
 
 
 class _SendBack(torch.autograd.Function):
@@ -148,7 +153,9 @@ class _ReturnRows(torch.autograd.Function):
             by_row = row_dot(grad, token, returned)
             grad_weight = torch.where(slots >= 0, by_row[slots.clamp(min=0)], 0.0).flatten()
         # Every rank enters every exchange: the rows' gradient always travels.
-        return ctx.exchange.queue(gather_rows(grad, token, row_weight)), grad_weight, None, None, None, None
+        out = ctx.exchange.queue(gather_rows(grad, token, row_weight))
+        run_while_exchanging()
+        return out, grad_weight, None, None, None, None
 
 
 class PaddedPiece:

@@ -11,24 +11,32 @@ linear layer computes only its input's gradient and leaves what its weight's gra
 whole backward's: the same products, added to the weights' gradients the same way (through
 autograd's accumulation, so hooks on the parameters, e.g. a master copy's, still run).
 
-Only layers built in split mode (`set_split_backward(model, True)`) take part; a whole
-backward (B) of such a layer computes both gradients at once, as usual. Norm weights and
-other small parameters get their gradients in I.
+Only layers built in split mode (`set_split_backward(model, True)`) take part: `Linear` and
+the stacked experts' grouped GEMMs (`experts.GroupedExperts`). A whole backward (B) of such
+a layer computes both gradients at once, as usual. Norm weights and other small parameters
+get their gradients in I.
+
+The same split hides an MoE layer's all-to-alls in a whole backward
+(`weight_grads_deferred(key, overlap=True)`): the weight gradients wait only until the next
+exchange leaves, which then computes them (`run_while_exchanging`) while its rows travel.
+Backward otherwise waits for every exchange right after queueing it: nothing it still has
+to do is independent of the rows in flight, except the weight gradients.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Weight gradients waiting for W, by key: (weight, layer input, output gradient). A module
-# global, not thread-local: on a GPU, autograd runs backward on its own device threads.
-_pending: dict[Hashable, list[tuple[Tensor, Tensor, Tensor]]] = {}
-_deferring: list[Hashable] = []  # the key I is running under (at most one)
+# Weight gradients waiting for W, by key: (weight, what computes its gradient, the tensors
+# that holds: the layer's input and output gradient). A module global, not thread-local: on
+# a GPU, autograd runs backward on its own device threads.
+_pending: dict[Hashable, list[tuple[Tensor, Callable[[], Tensor], tuple[Tensor, ...]]]] = {}
+_deferring: list[tuple[Hashable, bool]] = []  # (the key I is running under, overlap), at most one
 _lock = threading.Lock()
 
 
@@ -44,29 +52,51 @@ class Linear(nn.Linear):
 
 
 def set_split_backward(module: nn.Module, on: bool) -> int:
-    """Build `module`'s linear layers' graphs so that I and W can run apart (or not);
-    returns how many layers take part. Layers with a bias are left whole."""
+    """Build `module`'s split layers' graphs so that I and W can run apart (or not); returns
+    how many layers take part. A layer takes part when its class has a `split_backward` flag
+    (`Linear`, `experts.GroupedExperts`); layers with a bias are left whole."""
     n = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.bias is None:
+        if hasattr(type(m), "split_backward") and getattr(m, "bias", None) is None:
             m.split_backward = on
             n += 1
     return n
 
 
 @contextmanager
-def weight_grads_deferred(key: Hashable) -> Iterator[None]:
-    """Backward run inside leaves split layers' weight gradients under `key` (I)."""
+def weight_grads_deferred(key: Hashable, overlap: bool = False) -> Iterator[None]:
+    """Backward run inside leaves split layers' weight gradients under `key` (I). With
+    `overlap`, every exchange that leaves during it computes those waiting so far
+    (`run_while_exchanging`); the caller computes the rest after backward."""
     with _lock:
         if _deferring:
-            raise RuntimeError(f"weight gradients are already deferred under {_deferring[0]!r}; "
+            raise RuntimeError(f"weight gradients are already deferred under {_deferring[0][0]!r}; "
                                f"an input-gradient backward cannot nest in another")
-        _deferring.append(key)
+        _deferring.append((key, overlap))
     try:
         yield
     finally:
         with _lock:
             _deferring.clear()
+
+
+def run_while_exchanging() -> int:
+    """Called by an exchange that has just left in backward: under an overlapped deferral,
+    compute the weight gradients waiting so far (on the GPU they run while the exchange's
+    rows travel on the communicator's stream); returns how many."""
+    with _lock:
+        key, overlap = _deferring[0] if _deferring else (None, False)
+    return compute_weight_grads(key) if overlap else 0
+
+
+def defer_weight_grad(parameter: Tensor, compute: Callable[[], Tensor], held: tuple[Tensor, ...]) -> bool:
+    """For a split layer's backward: leave `parameter`'s gradient (`compute()`, which reads
+    `held`) for W when a deferral is on; False when not (compute it now)."""
+    with _lock:
+        if not _deferring:
+            return False
+        _pending.setdefault(_deferring[0][0], []).append((parameter, compute, held))
+    return True
 
 
 def pending_weight_grads(key: Hashable) -> int:
@@ -78,7 +108,7 @@ def pending_weight_grads(key: Hashable) -> int:
 def pending_tensors(key: Hashable) -> list[Tensor]:
     """What the weight gradients waiting under `key` hold: each layer's input and output gradient."""
     with _lock:
-        return [t for _, x, grad_out in _pending.get(key, ()) for t in (x, grad_out)]
+        return [t for _, _, held in _pending.get(key, ()) for t in held]
 
 
 def compute_weight_grads(key: Hashable) -> int:
@@ -86,9 +116,9 @@ def compute_weight_grads(key: Hashable) -> int:
     returns how many."""
     with _lock:
         work = _pending.pop(key, [])
-    for weight, x, grad_out in work:
+    for weight, compute, _ in work:
         with torch.no_grad():
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_w = compute()
         # Through autograd's accumulation into the leaf (a view's backward is the identity):
         # parameter hooks run as they do for a whole backward.
         with torch.enable_grad():
@@ -121,11 +151,10 @@ class _SplitLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None
-        with _lock:
-            key = _deferring[0] if _deferring else None
-            if key is not None:
-                _pending.setdefault(key, []).append((ctx.parameter, x, grad_out))
-        if key is not None:
+        if defer_weight_grad(ctx.parameter, lambda: _linear_weight_grad(x, grad_out), (x, grad_out)):
             return grad_x, None
-        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w
+        return grad_x, _linear_weight_grad(x, grad_out)
+
+
+def _linear_weight_grad(x: Tensor, grad_out: Tensor) -> Tensor:
+    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])

@@ -63,12 +63,15 @@ class MicroBatchGraph:
     loss is their mean).
 
     `reset` undoes what the eager warm-up left (accumulated gradients, MoE counters);
-    `counters` are the MoE layers' stats, whose host-side byte counts a replay advances.
+    `counters` are the MoE layers' stats, whose host-side byte counts a replay advances;
+    `backward` runs a backward from the scaled loss (the stage's way: see
+    `runtime.moe_backward_overlap`), by default `loss.backward()`.
     `saved_bytes`: what a forward keeps for its backward (parameters aside), as the
     activation tracker would count it."""
 
     def __init__(self, model: nn.Module, inputs: Sequence[Tensor | None], micro_batches: int,
-                 reset: Callable[[], None], counters: Sequence[object] = ()):
+                 reset: Callable[[], None], counters: Sequence[object] = (),
+                 backward: Callable[[Tensor], None] = Tensor.backward):
         self.key = graph_key(inputs, micro_batches)
         self._counters = list(counters)
         self._static = [t.detach().clone() if t is not None else None for t in inputs]
@@ -78,7 +81,7 @@ class MicroBatchGraph:
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            (model(*self._static) / micro_batches).backward()
+            backward(model(*self._static) / micro_batches)
         current.wait_stream(side)
         reset()
         before = self._bytes()
@@ -92,7 +95,7 @@ class MicroBatchGraph:
             middle = self._bytes()
             self._backward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._backward, pool=self._forward.pool(), capture_error_mode="thread_local"):
-                scaled.backward()
+                backward(scaled)
             after = self._bytes()
             # Let the captured autograd nodes go: eager forwards then make their own, on
             # their own stream (a kept AccumulateGrad node would tie them to the capture's).

@@ -1,6 +1,6 @@
 """torch.profiler around one step of a worker, and where its device time went.
 
-`profiled` writes the step's Chrome trace (open it in chrome://tracing or
+`StepProfiler` (or `profiled` around a block) writes the step's Chrome trace (open it in chrome://tracing or
 ui.perfetto.dev). `device_time` reads a trace back and sums its GPU kernels by kind,
 with the time the device was busy at all and busy computing: comparing those with the
 step's span tells kernels that ran slower from gaps where the device waited.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,18 +23,46 @@ KINDS = (
 )
 
 
+class StepProfiler:
+    """torch.profiler (CPU ops, and GPU kernels when `cuda`) around one step, writing Chrome
+    trace `path` at `stop`.
+
+    Starting a profiler takes from ~0.5 s to seconds on a GPU, differently on each worker: a
+    trace that began with it would show the step's first collective waiting for a peer still
+    starting its own. So the profiler starts without recording (`StepProfiler(...)`, after
+    the step before), `record(ready)` waits for `ready` (a barrier of every worker) and only
+    then records, and `stop` ends the recording and writes the trace."""
+
+    def __init__(self, path: Path, cuda: bool) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.path, self.cuda = path, cuda
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._profile = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
+                                schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+        self._profile.start()  # warming up: set up, recording nothing
+        self.recording = False
+
+    def record(self, ready: Callable[[], None] = lambda: None) -> None:
+        ready()
+        self._profile.step()
+        self.recording = True
+
+    def stop(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()  # every kernel of the step inside the trace
+        self._profile.step()  # the recording ends: the trace is written
+        self._profile.stop()
+
+
 @contextmanager
 def profiled(path: Path, cuda: bool) -> Iterator[None]:
-    """Profile the block (CPU ops, and GPU kernels when `cuda`) into Chrome trace `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        yield
-        if cuda:
-            torch.cuda.synchronize()  # every kernel of the block inside the trace
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
+    """A `StepProfiler` around the block (a process of its own, with no peers to wait for)."""
+    profiler = StepProfiler(path, cuda)
+    profiler.record()
+    yield
+    profiler.stop()
 
 
 def kernel_kind(name: str) -> str:
@@ -56,14 +84,15 @@ def device_time(trace: Path) -> dict:
     """A trace's GPU kernels: span (first start to last end), busy (any kernel running) and
     compute busy (any kernel but communication) in ms, ms and count per kind, the longest
     idle gaps (`idle_gaps`), `exposed_ms` (per collective, e.g. SendRecv or AllReduce: the
-    time its kernels ran while no compute kernel did); and `traced_ms`, the profiled
-    block's length (its first event's start to its last's end)."""
+    time its kernels ran while no compute kernel did), `top_kernels` (the kernels that took
+    longest in all, by name); and `traced_ms`, the profiled block's length (its first
+    event's start to its last's end)."""
     events = [e for e in json.loads(Path(trace).read_text()).get("traceEvents", [])
               if e.get("ph") == "X" and "ts" in e]
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
     out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0,
-                 "compute_busy_ms": 0.0, "gaps": [], "exposed_ms": {},
+                 "compute_busy_ms": 0.0, "gaps": [], "exposed_ms": {}, "top_kernels": [],
                  "by_kind": {kind: {"ms": 0.0, "count": 0} for kind, _ in (*KINDS, ("other", ()))}}
     if not kernels:
         return out
@@ -82,7 +111,19 @@ def device_time(trace: Path) -> dict:
         kind["ms"] += (end - start) / 1000
         kind["count"] += 1
     out["gaps"] = idle_gaps(kernels)
+    out["top_kernels"] = top_kernels(kernels)
     return out
+
+
+def top_kernels(kernels: list[tuple[float, float, str]], top: int = 15, shorter: int = 90) -> list[dict]:
+    """The kernels with the most device time in all: name (cut), ms and count."""
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        entry = by_name.setdefault(name[:shorter], [0.0, 0])
+        entry[0] += (end - start) / 1000
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name, "ms": round(ms, 2), "count": count} for name, (ms, count) in ranked]
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12, shorter: int = 60) -> list[dict]:

@@ -48,6 +48,7 @@ from raypar.topology import Grid
 
 # The snapshot's copy of the peer check's sum (`start_snapshot`), never written.
 PEER_CHECK = "peer_check"
+_OVERLAPPED = "whole backward"  # the key a whole backward's overlapped weight gradients wait under
 
 
 @dataclass
@@ -212,8 +213,12 @@ class StageRuntime:
         self._graph = None
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
-        # I and W need the linear layers to leave their weight gradients for later.
-        set_split_backward(self.model, any(a.op in (Op.I, Op.W) for a in self.program))
+        # I and W need the linear layers to leave their weight gradients for later; so does
+        # a whole backward that computes them while its MoE exchanges travel.
+        splits = any(a.op in (Op.I, Op.W) for a in self.program)
+        self._overlaps_exchanges = (not splits and self.cfg.runtime.moe_backward_overlap and self.grid.ep > 1
+                                    and bool(self.moe_layers) and self.cfg.runtime.moe_alltoall == "padded")
+        set_split_backward(self.model, splits or self._overlaps_exchanges)
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.program_changed()
         self._ahead: _StepState | None = None
@@ -553,7 +558,8 @@ class StageRuntime:
         try:
             with self.optimizer.reductions_paused() if sharded else nullcontext():
                 self._graph = MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
-                                              counters=[m.stats for m in self.moe_layers.values()])
+                                              counters=[m.stats for m in self.moe_layers.values()],
+                                              backward=lambda loss: self._whole_backward(loss, None))
         except GraphCaptureError as e:
             # Every rank runs the same ops, so every rank fails here and goes on eagerly.
             self.graphs_blocked = f"capture failed: {e}"
@@ -578,12 +584,26 @@ class StageRuntime:
         out = state.outputs[key]
         target = self.layout.next(self.stage, action.chunk)
         if target is None:
-            torch.autograd.backward(out)
+            grad = None
         elif target[0] == self.stage:  # the next chunk is this stage's: its input's gradient
-            torch.autograd.backward(out, state.inputs[target[1], action.mb].grad)
+            grad = state.inputs[target[1], action.mb].grad
         else:
-            torch.autograd.backward(out, state.grad_out[key])
+            grad = state.grad_out[key]
+        if action.op == Op.B:
+            self._whole_backward(out, grad)
+        else:
+            torch.autograd.backward(out, grad)
         self.tracker.backward_done(key)
+
+    def _whole_backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """B: with MoE exchanges to overlap, each layer's weight gradients run while the next
+        exchange travels (`runtime.moe_backward_overlap`), the last ones after backward."""
+        if not self._overlaps_exchanges:
+            torch.autograd.backward(out, grad)
+            return
+        with weight_grads_deferred(_OVERLAPPED, overlap=True):
+            torch.autograd.backward(out, grad)
+        compute_weight_grads(_OVERLAPPED)
 
     def _after_backward(self, state: "_StepState", action: Action) -> None:
         """Drop what a backward (B or I) was the last to read: the received output gradient;
