@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import ray
+
 from raypar.config import ConfigError
 from raypar.runtime.recent_states import OWN_KEPT, REPLICAS_KEPT
 
@@ -47,6 +49,24 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
                 f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory")
 
 
+def check_object_store(every: int, nodes: list[str], state_bytes: list[int], peers: list[int],
+                       capacity: dict[str, float], node_names: list[str] | None = None) -> None:
+    """Raise ConfigError when some node's object store cannot hold the replicas kept there:
+    for each worker whose peer is on that node, the two newest and one on its way."""
+    need: dict[str, int] = {}
+    for source, keeper in enumerate(peers):
+        if keeper != source:
+            need[nodes[keeper]] = need.get(nodes[keeper], 0) + (REPLICAS_KEPT + 1) * state_bytes[source]
+    names = dict(zip(nodes, node_names or nodes))
+    for node, bytes_needed in need.items():
+        if bytes_needed > capacity.get(node, 0):
+            raise ConfigError(
+                f"elastic.memory_every={every} keeps replicas of the workers' states in Ray's object store: node "
+                f"{names[node]} needs about {bytes_needed / 2**30:.1f} GiB of it and has "
+                f"{capacity.get(node, 0) / 2**30:.1f} GiB; start Ray with a larger object store (`ray start "
+                f"--object-store-memory`, or `object_store_memory` in ray.init), or set elastic.memory_every=0")
+
+
 class WorkerMemory:
     def __init__(self, group) -> None:
         self.group = group
@@ -58,8 +78,11 @@ class WorkerMemory:
         g = self.group
         nodes = [i["node_id"] for i in g.info]
         peers = [peer_of(r, nodes) if len(nodes) > 1 else r for r in range(len(nodes))]
-        check_host_memory(g.cfg.elastic.memory_every, nodes, [i["state_bytes"] for i in g.info],
-                          [i["host_available_bytes"] for i in g.info], peers, [i["node"] for i in g.info])
+        state_bytes, node_names = [i["state_bytes"] for i in g.info], [i["node"] for i in g.info]
+        check_host_memory(g.cfg.elastic.memory_every, nodes, state_bytes, [i["host_available_bytes"] for i in g.info],
+                          peers, node_names)
+        stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
+        check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
         self.generation += 1
         refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None, self.generation)
                 for r, (w, peer) in enumerate(zip(g.workers, peers))]

@@ -205,6 +205,10 @@ class StageWorker:
         self.runtime.set_program(program)
         self.program_version = version
 
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Start reading the batch of `sample_ids` in the background (`StageRuntime.prefetch`)."""
+        self.runtime.prefetch(sample_ids)
+
     def run_step(self, step: int, version: int, sample_ids: list[int],
                  capture_grads: bool = False, snapshot: dict | None = None,
                  next_sample_ids: list[int] | None = None, memory: bool = False) -> StepReport:
@@ -313,8 +317,14 @@ class StageWorker:
 
     @ray.method(concurrency_group="memory")
     def keep_replica(self, rank: int, steps_done: int, refs: list, generation: int) -> None:
-        """Keep a peer's state after `steps_done` steps, copied into this process's memory."""
-        self.recent.keep_replica(rank, steps_done, unpack(ray.get(refs[0])), generation)
+        """Keep a peer's state after `steps_done` steps, copied into this process's memory
+        (the object store's copy dies with the sender): into the buffers of a replica no
+        longer kept where there is one, whose pages are already mapped."""
+        incoming = unpack(ray.get(refs[0]), copy=False)
+        buffers = self.recent.replica_buffers(rank, incoming)
+        for name, t in incoming.items():
+            buffers[name].copy_(t)
+        self.recent.keep_replica(rank, steps_done, buffers, generation)
 
     def memory_inventory(self) -> list[tuple[int, int]]:
         """(rank, steps done) of every whole state this worker holds, its own and replicas."""

@@ -110,6 +110,13 @@ class WorkerGroup:
         self.get(refs, self.cfg.runtime.step_timeout_s, "set_programs")
         return self.program_version
 
+    def prefetch(self, sample_ids: list[list[int]]) -> None:
+        """Have every worker start reading its samples of a batch (by rank) in the background,
+        e.g. the first step's after a recovery while the state loads. Not waited for: a
+        read's error comes with the step that takes the batch."""
+        for r, w in enumerate(self.workers):
+            w.prefetch.remote(sample_ids[r])
+
     def issue_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
                    snapshot: dict | None = None, next_sample_ids: list[list[int]] | None = None,
                    memory: bool = False) -> list:

@@ -50,10 +50,15 @@ class KillOnceCommitted(Callback):
         self.killed_after: int | None = None
         self.checkpoint: str | None = None
         self.kill_to_step_s: float | None = None
+        # Where the step before the kill and the first step after the recovery spent their time.
+        self.before: dict | None = None
+        self.after: dict | None = None
 
     def on_step_end(self, trainer: "Trainer", record) -> None:
         import ray
 
+        if self.kill_to_step_s is not None and self.after is None:
+            self.after = step_parts(record)
         if self.killed_at is not None or record.step < self.min_step:
             return
         committed = trainer.saver.last_committed()
@@ -62,6 +67,7 @@ class KillOnceCommitted(Callback):
         # A standby still starting would not be used: measure the recovery it is there for.
         ray.get([w.address.remote() for w, _ in trainer.group.reserve.standbys], timeout=300)
         self.checkpoint, self.killed_after = committed, record.step
+        self.before = step_parts(record)
         self.killed_at = time.monotonic()
         ray.kill(trainer.group.workers[self.rank])
 
@@ -69,6 +75,17 @@ class KillOnceCommitted(Callback):
         # Called once the first step after the recovery is done.
         self.kill_to_step_s = time.monotonic() - self.killed_at
         trainer.request_stop(save=False)
+
+
+def step_parts(record) -> dict:
+    """A step's time as the driver saw it and as each worker spent it (ms): forward,
+    backward and idle per worker, checkpoint or memory-copy stall, data wait, and the
+    driver's share outside the workers."""
+    ms = lambda v: round(v * 1000, 1)  # noqa: E731
+    return {"step": record.step, "step_ms": ms(record.step_time_s), "stall_ms": ms(record.checkpoint_stall_s),
+            "data_wait_ms": ms(record.data_wait_s), "control_overhead": round(record.control_overhead, 4),
+            "workers": [{"stage": t.stage, "forward_ms": ms(t.forward_s), "backward_ms": ms(t.backward_s),
+                         "idle_ms": ms(t.idle_s)} for t in record.stage_times]}
 
 
 class FirstStep(Callback):
@@ -160,7 +177,7 @@ def recovery_row(ctx: "Context", cfg, label: str, killed: dict) -> dict:
     return ctx.row(label, cfg, summary, kill_to_step_s=kill.kill_to_step_s, killed_after=kill.killed_after,
                    detection_s=event["detection_s"], recovery_s=event["recovery_s"], steps_lost=event["steps_lost"],
                    failed_grid=event["failed_grid"], recovered_grid=event["grid"], resumed_step=event["resumed_step"],
-                   **phases)
+                   step_before_kill=kill.before, first_step_after=kill.after, **phases)
 
 
 def restart_row(ctx: "Context", killed: dict) -> dict:
@@ -191,6 +208,7 @@ def table(rows: list[dict]) -> str:
     lines += ["", "| run | kill to step s | steps redone (from) | detection s | recovery s | survivors' teardown s | "
               "workers up s | state load s | first step s | workers kept / started / from standby | vs restart |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for r in rows:
         if "recovery_s" in r:
             kept = f"{r.get('workers_kept')} / {r.get('workers_started', 0)} / {r.get('workers_from_standby', 0)}"
@@ -201,8 +219,16 @@ def table(rows: list[dict]) -> str:
                          f"step {r['resumed_step']}) | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | "
                          f"{f(r.get('salvage_s'))} | {up} | {f(r.get('load_s'))} | {f(r.get('first_step_s'))} | "
                          f"{kept} | {f(r.get('vs_restart'))} |")
+            for when, parts in (("the step before the kill", r.get("step_before_kill")),
+                                ("the first step after", r.get("first_step_after"))):
+                if parts:
+                    notes.append(f"- {r['label']}, {when} (step {parts['step']}): {parts['step_ms']:.0f} ms; "
+                                 f"stall {parts['stall_ms']:.0f} ms, data wait {parts['data_wait_ms']:.0f} ms, "
+                                 f"driver outside the workers {parts['control_overhead']:.1%}; " + "; ".join(
+                                     f"stage {w['stage']} forward {w['forward_ms']:.0f}, backward "
+                                     f"{w['backward_ms']:.0f}, idle {w['idle_ms']:.0f} ms" for w in parts["workers"]))
         elif "restart_s" in r:
             lines.append(f"| {r['label']} | {r['restart_s']:.2f} (from its start) | {r['steps_lost']} (storage, "
                          f"step {r['resumed_step']}) | | | | {r['workers_up_s']:.2f} (with the load) | | "
                          f"{f(r.get('first_step_s'))} | | |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))

@@ -4,7 +4,7 @@ import threading
 import torch
 
 from raypar.actors.memory import peer_of
-from raypar.runtime.recent_states import RecentStates, pack, unpack
+from raypar.runtime.recent_states import REPLICAS_KEPT, RecentStates, pack, unpack
 
 
 def _take(recent: RecentStates, rank: int, steps_done: int, state: dict, on_complete=lambda s: None) -> bool:
@@ -131,3 +131,35 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
         check_host_memory(1, nodes, states, [24 * gib, 24 * gib, 23 * gib, 28 * gib], peers)
     # One node: each worker keeps the next one's replica.
     check_host_memory(1, ["n"] * 2, [gib] * 2, [12 * gib] * 2, [1, 0])
+
+
+def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():
+    import pytest
+
+    from raypar.actors.memory import check_object_store
+    from raypar.config import ConfigError
+
+    gib = 2**30
+    nodes, states = ["n1", "n1", "n2", "n2"], [2 * gib] * 4
+    peers = [peer_of(r, nodes) for r in range(4)]
+    check_object_store(1, nodes, states, peers, {"n1": 12 * gib, "n2": 12 * gib})  # 2 x 3 x 2 GiB a node
+    with pytest.raises(ConfigError, match=r"node n1 needs about 12.0 GiB of it and has 11.0 GiB; start Ray with a "
+                                          r"larger object store"):
+        check_object_store(1, nodes, states, peers, {"n1": 11 * gib, "n2": 12 * gib})
+
+
+def test_a_replica_is_copied_into_the_buffers_of_the_one_it_replaces():
+    recent = RecentStates()
+    like = {"w": torch.zeros(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    first = [recent.replica_buffers(1, like) for _ in range(REPLICAS_KEPT + 1)]
+    for step, buffers in enumerate(first):
+        recent.keep_replica(1, step, buffers, generation=0)
+    # The oldest was dropped: its buffers take the next replica of that rank, and no other's.
+    assert recent.replica_buffers(2, like)["w"] is not first[0]["w"]
+    reused = recent.replica_buffers(1, like)
+    assert reused["w"] is first[0]["w"] and reused["b"] is first[0]["b"]
+    assert recent.replica_buffers(1, like)["w"] is not first[0]["w"]  # given out once
+    recent.keep_replica(1, 9, reused, generation=0)
+    recent.keep_replica(1, 10, recent.replica_buffers(1, like), generation=0)
+    assert recent.replica_buffers(1, {"w": torch.zeros(4)})["w"].shape == (4,)  # another layout: new buffers
+    assert sorted(s for r, s in recent.inventory() if r == 1) == [9, 10]

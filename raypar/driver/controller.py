@@ -13,6 +13,7 @@ The driver makes one Ray call per worker per step (DESIGN.md: an awaited actor c
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -172,7 +173,7 @@ class Controller:
                         t1 = time.time()
                         self.saver.start(self.group.checkpoints)
                         source = "memory"
-                        self.resumed = self._restore_from_memory(path)
+                        self.resumed = self._restore_from_memory(path, order)
                         if self.resumed is None:
                             source = "storage" if path is not None else "start"
                             self.resumed = self.saver.resume(path, self.cfg, self.grid,
@@ -284,10 +285,7 @@ class Controller:
             stall += self.saver.wait_shard_writes()
             snapshot = policy.snapshot_options()
 
-        def ids_after(n: int) -> list[list[int]]:
-            batch = order.indices(n, gbs)
-            return [split_batch(batch, self.grid.data_parallel_size, self.grid.data_rank(c)) for c in self.grid.coords()]
-
+        ids_after = functools.partial(self._batch_ids, order)
         # The workers hold the programs (set_programs at start and after a re-plan): a step
         # sends only its number, the program version and the sample ids, with the next
         # step's for a forward issued ahead.
@@ -300,6 +298,11 @@ class Controller:
         refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following,
                                      memory=memory)
         return InFlightStep(step, consumed, issued_at, refs, save, stall, memory)
+
+    def _batch_ids(self, order: SampleOrder, consumed: int) -> list[list[int]]:
+        """Each worker's samples of the batch after `consumed` samples, by rank."""
+        batch = order.indices(consumed, self.cfg.train.global_batch_size)
+        return [split_batch(batch, self.grid.data_parallel_size, self.grid.data_rank(c)) for c in self.grid.coords()]
 
     def _finish(self, sent: InFlightStep, events: EventLog) -> StepRecord:
         """Wait for a sent step and make its record. Its time runs from when the workers could
@@ -392,10 +395,11 @@ class Controller:
             self.group.memory.set_peers()
         return path
 
-    def _restore_from_memory(self, path: Location | None) -> Resumed | None:
+    def _restore_from_memory(self, path: Location | None, order: SampleOrder) -> Resumed | None:
         """During a recovery: load the newest step whose state survives in the workers'
         memory for every rank of the failed grid, unless checkpoint `path` is newer (memory
-        is read faster than storage). None when storage (or step 0) is the better start."""
+        is read faster than storage). None when storage (or step 0) is the better start.
+        The workers read the first batch after it meanwhile."""
         failed, self._memory_from = self._memory_from, None
         if failed is None or self._recovery is None:
             return None
@@ -407,6 +411,7 @@ class Controller:
             self.group.memory.clear()
             return None
         step, holders = found
+        self.group.prefetch(self._batch_ids(order, steps[step]))
         loaded, load_s = self.group.memory.restore(step, holders, same_grid=failed_grid == self.grid)
         self.log(f"raypar: restored step {step} from the workers' memory"
                  + (f" (the newest checkpoint holds step {stored})" if stored >= 0 else ""))

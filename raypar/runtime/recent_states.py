@@ -5,7 +5,7 @@ After every K-th step a worker copies all the state it holds (weights, fp32 mast
 EMA, RNG) into host memory, beside the next step as a checkpoint snapshot does
 (`StateSnapshot`), and keeps its three newest complete copies. Each complete copy is then
 sent to one peer (a worker on another node where there is one), which keeps the two newest
-it received whole. After a failure the controller asks the survivors what they hold and
+it received whole (copied into the buffers of the replica they replace: `replica_buffers`). After a failure the controller asks the survivors what they hold and
 restores the newest step every rank of the failed grid has somewhere: a lost rank's from
 its peer's replica, which lags its owner's newest copy by as long as sending one takes.
 
@@ -69,6 +69,8 @@ class RecentStates:
         self._sending: threading.Thread | None = None  # makes and sends the copy under way
         self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
         self._replicas: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # rank -> step -> tensors
+        # Per rank, the buffers of a replica no longer kept, for its next one.
+        self._spare: dict[int, dict[str, torch.Tensor]] = {}
         self.generation = 0  # of the peers set (`StageWorker.set_memory_peer`): replicas name theirs
         self.skipped = 0  # copies not taken because the last one was still being made
 
@@ -165,6 +167,17 @@ class RecentStates:
         with self._lock:
             return self._complete[step].host_tensors()
 
+    def replica_buffers(self, rank: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host tensors shaped as `like` to copy `rank`'s next replica into: those of its
+        replica last dropped when they match (memory already mapped: a fresh allocation of
+        gigabytes spends as long faulting its pages in as copying), else new ones."""
+        with self._lock:
+            spare = self._spare.pop(rank, None)
+        if spare is not None and spare.keys() == like.keys() and all(
+                spare[n].shape == t.shape and spare[n].dtype == t.dtype for n, t in like.items()):
+            return spare
+        return {n: torch.empty_like(t) for n, t in like.items()}
+
     def keep_replica(self, rank: int, step: int, tensors: dict[str, torch.Tensor], generation: int) -> None:
         """Keep `rank`'s state after `step` steps, sent for the peers set in `generation`; one
         sent for an earlier generation (before a re-plan renumbered the ranks) is dropped."""
@@ -174,7 +187,7 @@ class RecentStates:
             held = self._replicas.setdefault(rank, {})
             held[step] = tensors
             for old in sorted(held)[:-REPLICAS_KEPT]:
-                del held[old]
+                self._spare[rank] = held.pop(old)
 
     def inventory(self) -> list[tuple[int, int]]:
         """(rank, step) of every whole state held: own copies and replicas."""
@@ -208,4 +221,5 @@ class RecentStates:
             self._cleared += 1
             self._complete.clear()
             self._replicas.clear()
+            self._spare.clear()
             self._rank = None

@@ -232,6 +232,12 @@ class StageRuntime:
         self._reports_ahead = self.cfg.runtime.forward_ahead and self.is_first and not self.is_last
         self._unfinished.clear()
 
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Start reading a step's batch now (a stage that reads data, with `data.prefetch`):
+        the step that takes it finds it read, or waits only for the rest."""
+        if self._prefetch is not None and self.cfg.data.prefetch:
+            self._prefetch.start(sample_ids)
+
     def run_step(self, step: int, sample_ids: list[int], capture_grads: bool = False,
                  next_sample_ids: list[int] | None = None) -> StepReport:
         """Issue one step's program and report it once the device has passed what the report
