@@ -12,7 +12,7 @@ from helpers import assert_same, start_group, step_both, synthetic_data, tiny_co
 from tolerances import Tolerances
 
 MOE = {"n_layers": 2, "n_experts": 4, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
-# The zero-bubble step runs each backward as I and W (the experts' gradients come in I).
+# The zero-bubble step runs each backward as I and W (the experts' weight gradients in W too).
 PLAN = [("1f1b", 2), ("fthenb", 1), ("1f1b", 4), ("zb-h1", 2), ("1f1b", 1)]
 RTOL = 1e-5  # between two Trainer runs; runs against the reference use tests/tolerances.py
 # Adam divides by sqrt(v): where a gradient is ~0 (an expert that saw a token or two), an

@@ -133,3 +133,23 @@ def test_deferral_does_not_nest_and_can_be_dropped():
     assert pending_weight_grads("a") == 15
     drop_weight_grads("a")
     assert pending_weight_grads("a") == 0 and compute_weight_grads("a") == 0
+
+
+def test_stacked_experts_leave_their_weight_gradients_for_w():
+    """The experts' grouped GEMMs split like the linear layers: W computes their gradients."""
+    cfg = ModelConfig(**{**CFG.__dict__, "n_experts": 4, "moe_top_k": 2, "moe_ffn_dim": 16})
+    whole, split = Transformer(cfg), Transformer(cfg)
+    for m in (whole, split):
+        init_weights(m, cfg, seed=3)
+    # Modules: q, k, v, o, the router and the experts per layer; the head.
+    assert set_split_backward(split, True) == 2 * 6 + 1
+    (tokens, labels), = batches(1)
+    whole(tokens, labels).backward()
+    with weight_grads_deferred("mb"):
+        split(tokens, labels).backward()
+    assert not any(n.endswith(("experts.w13", "experts.w2")) for n in grads(split))
+    assert compute_weight_grads("mb") == 2 * 7 + 1  # the experts' two stacks apart
+    want, got = grads(whole), grads(split)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
