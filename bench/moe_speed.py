@@ -15,7 +15,9 @@ config overrides (e.g. `mb4=parallel.microbatches=4`). Each MoE
 launch profiles one step on every worker (`runtime.profile_step`) and reads the traces
 back: the exposed all-to-all is the time its kernels (NCCL send/receive; pp=1, so no
 pipeline transfers share that name) run while no compute kernel does, as a share of the
-worker's step on the device. Writes DIR/moe_speed.json and DIR/moe_speed.md.
+worker's step on the device; "of it, transfer" leaves out the time a worker waited for its
+peer to enter each exchange (`runtime.profile.exchange_waits`: the workers' traces share
+one host's clock). Writes DIR/moe_speed.json and DIR/moe_speed.md.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ PROFILED_STEP = 6
 def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
-    from raypar.runtime.profile import device_time
+    from raypar.runtime.profile import device_time, exchange_waits
 
     run_dir = work / kind
     common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
@@ -66,6 +68,16 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
         if not kind.startswith("dense"):
             out["exposed_alltoall_share"] = max(w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"]
                                                 for w in workers)
+            # The same without the time a worker waited for its peer to enter each exchange.
+            try:
+                waits = exchange_waits(traces)
+            except ValueError as e:
+                out["exchange_waits_error"] = str(e)
+            else:
+                for w, split in zip(out["workers"], waits):
+                    w.update(split)
+                out["exposed_transfer_share"] = max(x["exposed_transfer_ms"] / w["span_ms"]
+                                                    for x, w in zip(waits, workers))
     return out
 
 
@@ -110,7 +122,8 @@ def main() -> None:
 
 def table(results: list[dict]) -> str:
     """Each launch's figures, then the ratios of launches of the same round."""
-    lines = ["| round | run | tokens/s | step (ms) | MFU | MFU / dense | exposed all-to-all |", "|---|---|---|---|---|---|---|"]
+    lines = ["| round | run | tokens/s | step (ms) | MFU | MFU / dense | exposed all-to-all | of it, transfer |",
+             "|---|---|---|---|---|---|---|---|"]
     ratios = []
     for r in sorted({x["round"] for x in results}):
         got = {x["kind"]: x for x in results if x["round"] == r}
@@ -118,8 +131,9 @@ def table(results: list[dict]) -> str:
         for kind, x in got.items():
             rel = f"{x['mfu'] / dense['mfu']:.2f}" if dense and kind != "dense" else ""
             exposed = f"{x['exposed_alltoall_share']:.1%}" if "exposed_alltoall_share" in x else ""
+            transfer = f"{x['exposed_transfer_share']:.1%}" if "exposed_transfer_share" in x else ""
             lines.append(f"| {r + 1} | {kind} | {x['tokens_per_s']:,.0f} | {x['step_ms']:.0f} | {x['mfu']:.3f} | {rel} | "
-                         f"{exposed} |")
+                         f"{exposed} | {transfer} |")
         on = got.get("moe-kernels-on")
         for label, mine, other in [("dense, CUDA graphs on / off", "dense", "dense-eager"),
                                    ("MoE, CUDA graphs on / off", "moe-kernels-on", "moe-eager"),

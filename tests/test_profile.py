@@ -5,7 +5,7 @@ import json
 import pytest
 
 from raypar.config import ConfigError, load_config
-from raypar.runtime.profile import device_time, kernel_kind, collective
+from raypar.runtime.profile import collective, device_time, exchange_waits, kernel_kind
 from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
@@ -74,3 +74,24 @@ def test_idle_gaps_are_the_stretches_no_kernel_covers_longest_first():
     gaps = idle_gaps(kernels)
     assert [(g["at_ms"], g["ms"], g["after"], g["before"]) for g in gaps] == [
         (0.3, 1.0, "nccl", "flash"), (1.4, 0.05, "flash", "adam")]
+
+
+def test_exchange_waits_split_a_peers_lateness_from_the_transfer(tmp_path):
+    """Two workers' traces on one clock (different bases): worker 0 enters the first exchange
+    100 us before worker 1 and waits for it; the second starts together."""
+    def trace(path, base_ns, kernels):
+        events = [{"ph": "X", "cat": "kernel", "name": n, "ts": ts - base_ns / 1000, "dur": dur} for n, ts, dur in kernels]
+        path.write_text(json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": events}))
+        return path
+
+    a2a, gemm = "ncclDevKernel_SendRecv(x)", "sm90_xmma_gemm_bf16"
+    w0 = trace(tmp_path / "w0.json", 5_000_000, [(gemm, 1000, 50), (a2a, 1100, 150), (a2a, 1400, 50),
+                                                   (gemm, 1410, 20)])
+    w1 = trace(tmp_path / "w1.json", 7_000_000, [(gemm, 1000, 190), (a2a, 1200, 50), (a2a, 1400, 50)])
+    got = exchange_waits([w0, w1])
+    assert got[0]["peer_wait_ms"] == pytest.approx(0.1) and got[1]["peer_wait_ms"] == 0
+    assert got[0]["transfer_ms"] == pytest.approx(0.1) and got[1]["transfer_ms"] == pytest.approx(0.1)
+    # Worker 0's second transfer overlaps its GEMM for 20 of 50 us.
+    assert got[0]["exposed_transfer_ms"] == pytest.approx(0.08) and got[1]["exposed_transfer_ms"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="matching them needs the same count"):
+        exchange_waits([w0, trace(tmp_path / "w2.json", 0, [(a2a, 1100, 10)])])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -87,8 +87,7 @@ def device_time(trace: Path) -> dict:
     time its kernels ran while no compute kernel did), `top_kernels` (the kernels that took
     longest in all, by name); and `traced_ms`, the profiled block's length (its first
     event's start to its last's end)."""
-    events = [e for e in json.loads(Path(trace).read_text()).get("traceEvents", [])
-              if e.get("ph") == "X" and "ts" in e]
+    events = _events(trace)
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
     out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0,
@@ -112,6 +111,43 @@ def device_time(trace: Path) -> dict:
         kind["count"] += 1
     out["gaps"] = idle_gaps(kernels)
     out["top_kernels"] = top_kernels(kernels)
+    return out
+
+
+def _events(trace: Path) -> list[dict]:
+    """A trace's complete events, their times in microseconds since the epoch (the traces of
+    one host's processes share that clock)."""
+    data = json.loads(Path(trace).read_text())
+    base_us = data.get("baseTimeNanoseconds", 0) / 1000
+    return [{**e, "ts": e["ts"] + base_us} for e in data.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+
+
+def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]:
+    """The profiled step of every worker of one exchange group (on one host): each worker's
+    time in the collective `name`'s kernels split into `peer_wait_ms`, waiting for the last
+    worker to enter the exchange, and `transfer_ms`, the rest; and `exposed_transfer_ms`,
+    the transfer while no compute kernel ran (what `device_time`'s exposed time is without
+    a peer's lateness). The i-th such kernel of every trace is the same exchange: every rank
+    enters every exchange, in one order (pp=1: no pipeline transfer shares the name)."""
+    per_worker = []
+    for trace in traces:
+        kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in _events(trace) if e.get("cat") == "kernel"]
+        exchanges = sorted((s, e) for s, e, n in kernels if kernel_kind(n) == "communication" and collective(n) == name)
+        compute = [(s, e) for s, e, n in kernels if kernel_kind(n) != "communication"]
+        per_worker.append((exchanges, compute))
+    counts = {len(x) for x, _ in per_worker}
+    if len(counts) > 1:
+        raise ValueError(f"exchange_waits: the workers ran {sorted(counts)} {name} kernels; matching them needs "
+                         f"the same count on every worker")
+    arrivals = [max(x[i][0] for x, _ in per_worker) for i in range(counts.pop() if counts else 0)]
+    out = []
+    for exchanges, compute in per_worker:
+        transfers = [(max(start, last), end) for (start, end), last in zip(exchanges, arrivals) if end > max(start, last)]
+        out.append({"exchanges": len(exchanges),
+                    "peer_wait_ms": sum(min(end, last) - start for (start, end), last in zip(exchanges, arrivals)
+                                        if last > start) / 1000,
+                    "transfer_ms": sum(e - s for s, e in transfers) / 1000,
+                    "exposed_transfer_ms": (_union_us(transfers + compute) - _union_us(compute)) / 1000})
     return out
 
 
