@@ -1,0 +1,158 @@
+"""Tensor parallelism inside a stage: the pieces a layer split over `tp` ranks is made of.
+
+Megatron's scheme, written for raypar's layers (issue 30; not yet wired into the model,
+the grid or the runtime):
+
+- a *column-parallel* linear holds a slice of the output features: its input must be the
+  whole activation on every rank (`to_tensor_parallel`: identity forward, gradients summed
+  over the ranks in backward), and its output is that rank's slice;
+- a *row-parallel* linear holds the matching slice of the input features: its partial
+  outputs are summed over the ranks (`from_tensor_parallel`: all-reduce forward, identity
+  backward), which gives every rank the whole activation again;
+- the vocabulary is split the same way: `vocab_parallel_cross_entropy` takes each rank's
+  slice of the logits and returns the loss without ever holding all of them.
+
+Attention splits by heads (query heads and key/value groups: column-parallel wq, wk, wv,
+row-parallel wo) and the SwiGLU MLP is column- then row-parallel (w1, w3 then w2), so a
+block costs two all-reduces forward and two backward.
+
+Which dimension of a weight a rank holds a slice of follows `shard_dim`: the preferred one
+when tp divides it, else the largest other dimension that tp divides, else none (every rank
+holds all of it, and says why). Slices are named by the global tensor they come from
+(`Slice`), so a checkpoint keeps pieces of the global tensors and loads on any tp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Which part of a global tensor one tp rank holds: `dim` cut into `parts` equal pieces,
+    this rank's is `index`; dim None: the whole tensor (replicated over tp)."""
+    dim: int | None
+    index: int
+    parts: int
+    why_replicated: str = ""
+
+    def of(self, full: Tensor) -> Tensor:
+        """This rank's piece of the global tensor `full` (a view)."""
+        if self.dim is None:
+            return full
+        return full.chunk(self.parts, dim=self.dim)[self.index]
+
+    def offset(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Where this piece starts in a global tensor of `shape`, per dimension."""
+        if self.dim is None:
+            return (0,) * len(shape)
+        return tuple(self.index * shape[d] // self.parts if d == self.dim else 0 for d in range(len(shape)))
+
+
+def shard_dim(shape: tuple[int, ...], preferred: int, tp: int) -> tuple[int | None, str]:
+    """The dimension of a tensor of `shape` to split over `tp` ranks: `preferred` when tp
+    divides it, else the largest other dimension tp divides, else None (replicated). Returns
+    it and, when it is not `preferred`, why."""
+    if tp == 1 or shape[preferred] % tp == 0:
+        return preferred, ""
+    others = sorted((d for d in range(len(shape)) if d != preferred and shape[d] % tp == 0),
+                    key=lambda d: -shape[d])
+    if others:
+        return others[0], (f"dimension {preferred} ({shape[preferred]}) is not a multiple of tp={tp}; "
+                           f"split along dimension {others[0]} ({shape[others[0]]}) instead")
+    return None, (f"no dimension of {tuple(shape)} is a multiple of tp={tp}; every tp rank holds all of it")
+
+
+def slice_for(shape: tuple[int, ...], preferred: int, rank: int, tp: int) -> Slice:
+    dim, why = shard_dim(shape, preferred, tp)
+    return Slice(dim, rank if dim is not None else 0, tp if dim is not None else 1,
+                 why if dim is None else "")
+
+
+class _ToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the input gradients of the tp ranks (each rank's
+    column slice contributed part of it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _FromTensorParallel(torch.autograd.Function):
+    """Sums the tp ranks' partial outputs forward; identity backward (every rank's slice
+    needs the whole output gradient, which every rank has)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def to_tensor_parallel(x: Tensor, group) -> Tensor:
+    """The input of column-parallel layers (see the module)."""
+    return x if group is None else _ToTensorParallel.apply(x, group)
+
+
+def from_tensor_parallel(x: Tensor, group) -> Tensor:
+    """The sum of row-parallel layers' partial outputs (see the module)."""
+    return x if group is None else _FromTensorParallel.apply(x, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, first: int, group, ignore_index: int) -> Tensor:
+        # logits [n, v_local] fp32: this rank's vocabulary first .. first + v_local - 1.
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        v_local = logits.shape[-1]
+        valid = labels != ignore_index
+        mine = valid & (labels >= first) & (labels < first + v_local)
+        index = torch.where(mine, labels - first, 0)
+        target = torch.where(mine, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
+        dist.all_reduce(target, group=group)
+        count = valid.sum().clamp(min=1)
+        per_token = torch.where(valid, total.log() - target, 0.0)
+        ctx.save_for_backward(exp, total, index, mine, valid, count)
+        return per_token.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        exp, total, index, mine, valid, count = ctx.saved_tensors
+        # d loss / d logit = softmax - one_hot(label), for valid tokens, over the token count.
+        g = exp / total.unsqueeze(-1)
+        g.scatter_add_(-1, index.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
+        g = g * (valid.to(g.dtype) / count).unsqueeze(-1) * grad
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, first: int, group,
+                                 ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy over the tokens whose label is not `ignore_index`, from this rank's
+    slice of the logits [n, v_local] (vocabulary ids first .. first + v_local - 1) and the
+    labels [n]; every rank of `group` gets the same loss, and the gradient of its own slice.
+    The same as `F.cross_entropy` on the gathered logits, which no rank holds."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits [n, v_local] and labels [n], got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    if group is None:
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits.float(), labels, first, group, ignore_index)

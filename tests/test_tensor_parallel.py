@@ -1,0 +1,101 @@
+"""Tensor-parallel pieces (issue 30) over gloo: a SwiGLU MLP split column- then
+row-parallel, and the vocabulary-parallel cross-entropy, each equal to the whole layer on
+one process (output, input gradient, every weight's gradient as slices of the whole one's);
+the placement rule's fallbacks."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from raypar.model.tensor_parallel import (Slice, from_tensor_parallel, shard_dim, slice_for, to_tensor_parallel,
+                                          vocab_parallel_cross_entropy)
+
+TP = 2
+
+
+def test_a_dimension_tp_does_not_divide_falls_back_and_says_why():
+    assert shard_dim((64, 32), 0, 2) == (0, "")
+    dim, why = shard_dim((30, 64, 7), 0, 4)
+    assert dim == 1 and "dimension 0 (30) is not a multiple of tp=4; split along dimension 1 (64)" in why
+    dim, why = shard_dim((6, 9), 0, 4)
+    assert dim is None and "every tp rank holds all of it" in why
+    replicated = slice_for((6, 9), 0, rank=1, tp=4)
+    assert replicated == Slice(None, 0, 1, why) and replicated.of(torch.ones(6, 9)).shape == (6, 9)
+    piece = slice_for((8, 4), 0, rank=3, tp=4)
+    assert piece.offset((8, 4)) == (6, 0) and torch.equal(piece.of(torch.arange(32).view(8, 4)),
+                                                           torch.arange(24, 32).view(2, 4))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mlp_and_loss(rank: int, group) -> dict:
+    g = torch.Generator().manual_seed(0)
+    dim, hidden, vocab, n = 8, 12, 10, 6
+    w1, w3 = torch.randn(hidden, dim, generator=g), torch.randn(hidden, dim, generator=g)
+    w2, head = torch.randn(dim, hidden, generator=g), torch.randn(vocab, dim, generator=g)
+    x = torch.randn(n, dim, generator=g)
+    labels = torch.tensor([0, 9, 4, 5, -100, 7])  # both ranks' vocabulary halves, and an ignored token
+
+    # The whole layer on this process: the reference.
+    full = {k: t.clone().requires_grad_() for k, t in dict(w1=w1, w3=w3, w2=w2, head=head, x=x).items()}
+    h = full["x"] + (F.silu(full["x"] @ full["w1"].t()) * (full["x"] @ full["w3"].t())) @ full["w2"].t()
+    want_loss = F.cross_entropy(h @ full["head"].t(), labels)
+    want_loss.backward()
+
+    # The same split over the tp ranks: w1, w3 and head by output rows, w2 by input columns.
+    cols = slice_for((hidden, dim), 0, rank, TP)
+    rows = slice_for((dim, hidden), 1, rank, TP)
+    vocab_slice = slice_for((vocab, dim), 0, rank, TP)
+    mine = {"w1": cols.of(w1), "w3": cols.of(w3), "w2": rows.of(w2), "head": vocab_slice.of(head), "x": x}
+    mine = {k: t.clone().requires_grad_() for k, t in mine.items()}
+    xin = to_tensor_parallel(mine["x"], group)
+    partial = (F.silu(xin @ mine["w1"].t()) * (xin @ mine["w3"].t())) @ mine["w2"].t()
+    h_tp = mine["x"] + from_tensor_parallel(partial, group)
+    logits = to_tensor_parallel(h_tp, group) @ mine["head"].t()
+    loss = vocab_parallel_cross_entropy(logits, labels, vocab_slice.offset((vocab, dim))[0], group)
+    loss.backward()
+    slices = {"w1": cols, "w3": cols, "w2": rows, "head": vocab_slice}
+    return {"loss": (loss.item(), want_loss.item()), "h": (h_tp.detach(), h.detach()),
+            **{k: (mine[k].grad, slices[k].of(full[k].grad) if k in slices else full[k].grad) for k in mine}}
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    try:
+        queue.put((rank, _mlp_and_loss(rank, dist.group.WORLD)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_column_then_row_parallel_mlp_and_vocab_parallel_loss_equal_the_whole_layer():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, got in results.items():
+        loss, want = got.pop("loss")
+        assert loss == pytest.approx(want, rel=1e-5), f"rank {rank}: loss"
+        for name, (mine, reference) in got.items():
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+
+
+def test_vocab_parallel_loss_without_a_group_is_cross_entropy():
+    logits, labels = torch.randn(5, 7), torch.tensor([1, -100, 6, 0, 3])
+    torch.testing.assert_close(vocab_parallel_cross_entropy(logits, labels, 0, None), F.cross_entropy(logits, labels))
+    with pytest.raises(ValueError, match=r"logits \[n, v_local\] and labels \[n\]"):
+        vocab_parallel_cross_entropy(logits, labels[:3], 0, None)
