@@ -21,7 +21,7 @@ from raypar.data.source import open_corpus
 from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
-from raypar.runtime.profile import StepProfiler
+from raypar.runtime.profile import PROFILER_READY, StepProfiler
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -262,10 +262,14 @@ class StageWorker:
     def _every_worker_ready(self) -> None:
         """Return once every worker is here (their profilers started): a barrier over all
         of them, waited for on the host, so the traces start together."""
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # Named, so that a trace that held it would show it (tests/test_profile.py).
+        with torch.profiler.record_function(PROFILER_READY):
+            if dist.get_world_size() > 1:
+                # An all-reduce on this worker's device rather than dist.barrier, which on NCCL
+                # picks a device by rank (a standby that took another's GPU sees every GPU).
+                dist.all_reduce(torch.zeros(1, device=self.device))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _start_profiler(self, step: int) -> StepProfiler:
         """The profiler of step `step` (`runtime.profile_step`), started now: after the step

@@ -23,6 +23,9 @@ KINDS = (
 )
 
 
+PROFILER_READY = "raypar: every worker's profiler ready"  # the barrier before a step's recording
+
+
 class StepProfiler:
     """torch.profiler (CPU ops, and GPU kernels when `cuda`) around one step, writing Chrome
     trace `path` at `stop`.
