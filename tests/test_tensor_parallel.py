@@ -5,6 +5,7 @@ the placement rule's fallbacks."""
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +29,28 @@ def test_a_dimension_tp_does_not_divide_falls_back_and_says_why():
     piece = slice_for((8, 4), 0, rank=3, tp=4)
     assert piece.offset((8, 4)) == (6, 0) and torch.equal(piece.of(torch.arange(32).view(8, 4)),
                                                            torch.arange(24, 32).view(2, 4))
+
+
+def _plain(obj):
+    """Tensors as numpy arrays, for the queue: a tensor sent as shared memory is gone once
+    its process exits."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_plain(v) for v in obj)
+    return obj
+
+
+def _tensors(obj):
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_tensors(v) for v in obj)
+    return obj
 
 
 def _free_port() -> int:
@@ -71,7 +94,7 @@ def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=TP)
     try:
-        queue.put((rank, _mlp_and_loss(rank, dist.group.WORLD)))
+        queue.put((rank, _plain(_mlp_and_loss(rank, dist.group.WORLD))))
     finally:
         dist.destroy_process_group()
 
@@ -83,7 +106,7 @@ def test_column_then_row_parallel_mlp_and_vocab_parallel_loss_equal_the_whole_la
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(TP)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
+    results = {r: _tensors(out) for r, out in (queue.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
@@ -99,3 +122,90 @@ def test_vocab_parallel_loss_without_a_group_is_cross_entropy():
     torch.testing.assert_close(vocab_parallel_cross_entropy(logits, labels, 0, None), F.cross_entropy(logits, labels))
     with pytest.raises(ValueError, match=r"logits \[n, v_local\] and labels \[n\]"):
         vocab_parallel_cross_entropy(logits, labels[:3], 0, None)
+
+
+def _model_worker(rank: int, port: int, queue) -> None:
+    from raypar.config import ModelConfig
+    from raypar.kernels import sample_seeds
+    from raypar.model import Transformer, init_weights
+    from raypar.model.tensor_parallel import TensorParallel, tp_slices
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    try:
+        # Grouped-query attention (4 query heads, 2 key/value heads) and dropout on.
+        cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, dropout=0.1)
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+        labels[0, :3] = -100
+        seeds = sample_seeds(0, 0, [0, 1])
+        out = {}
+        tp = TensorParallel(rank, TP)
+        tp.group = dist.group.WORLD
+        for name, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp))):
+            init_weights(model, cfg, seed=3)
+            loss = model(tokens, labels, seeds)
+            loss.backward()
+            with torch.no_grad():
+                logits = model.eval()(tokens)
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            out[name] = (loss.item(), logits, grads, {n: piece for n, (piece, _) in tp_slices(model).items()})
+        queue.put((rank, _plain(out)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_model():
+    """Loss, logits (gathered) and every parameter's gradient, as this rank's slice of the
+    whole model's; GQA, dropout and ignored labels included."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_model_worker, args=(r, port, queue)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    results = {r: _tensors(out) for r, out in (queue.get(timeout=180) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, out in results.items():
+        (want_loss, want_logits, want_grads, _), (loss, logits, grads, slices) = out["whole"], out["tp"]
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"rank {rank}"
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert set(grads) == set(want_grads)
+        assert {n.rsplit(".", 2)[-2] for n in slices} == {"embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "head"}
+        for name, g in grads.items():
+            want = slices[name].of(want_grads[name]) if name in slices else want_grads[name]
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_a_head_count_tensor_parallelism_does_not_divide_is_a_clear_error():
+    from raypar.config import ModelConfig
+    from raypar.model import Transformer
+    from raypar.model.tensor_parallel import TensorParallel
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="model.n_kv_heads=1 is not a multiple of tensor-parallel size 2"):
+        Transformer(cfg, tp=TensorParallel(0, 2))
+    moe = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16, n_experts=4)
+    with pytest.raises(ValueError, match="does not split MoE layers yet"):
+        Transformer(moe, tp=TensorParallel(0, 2))
+
+
+def test_a_slice_built_on_the_meta_device_initialises_as_the_whole_models_slice():
+    from raypar.config import ModelConfig
+    from raypar.model import Transformer, init_weights
+    from raypar.model.tensor_parallel import TensorParallel, tp_slices
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16)
+    whole = Transformer(cfg)
+    init_weights(whole, cfg, seed=3)
+    with torch.device("meta"):
+        part = Transformer(cfg, tp=TensorParallel(1, 2))
+    part.to_empty(device="cpu")
+    init_weights(part, cfg, seed=3)
+    cut = tp_slices(part)
+    full = dict(whole.named_parameters())
+    for name, p in part.named_parameters():
+        want = cut[name][0].of(full[name]) if name in cut else full[name]
+        assert torch.equal(p, want), name

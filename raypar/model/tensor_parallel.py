@@ -1,7 +1,8 @@
 """Tensor parallelism inside a stage: the pieces a layer split over `tp` ranks is made of.
 
-Megatron's scheme, written for raypar's layers (issue 30; not yet wired into the model,
-the grid or the runtime):
+Megatron's scheme, written for raypar's layers (issue 30). `Transformer(tp=TensorParallel(
+rank, size))` builds a stage's slice; the grid, the runtime and checkpoints do not split
+stages over tp yet.
 
 - a *column-parallel* linear holds a slice of the output features: its input must be the
   whole activation on every rank (`to_tensor_parallel`: identity forward, gradients summed
@@ -156,3 +157,65 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, first: int, gro
     if group is None:
         return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
     return _VocabParallelCrossEntropy.apply(logits.float(), labels, first, group, ignore_index)
+
+
+class TensorParallel:
+    """This rank's place among the `size` ranks a stage's layers are split over: every split
+    layer holds it, and the runtime sets `group` (their process group) once it exists."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
+        self.rank, self.size = rank, size
+        self.group = None
+
+    def split(self, what: str, n: int) -> int:
+        """n / size, for `what` (a model key) that must divide evenly; a clear error if not."""
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not a multiple of tensor-parallel size {self.size}: "
+                             f"choose a tp that divides it")
+        return n // self.size
+
+    def mark(self, module: torch.nn.Module, param: str, global_shape: tuple[int, ...], dim: int) -> None:
+        """Record that `module`'s parameter `param` is this rank's slice along `dim` of a
+        tensor of `global_shape` (what initialisation and checkpoints read back; on the module,
+        which keeps it when a meta build's parameters are replaced)."""
+        if not hasattr(module, "tp_slices"):
+            module.tp_slices = {}
+        module.tp_slices[param] = (Slice(dim, self.rank, self.size), tuple(global_shape))
+
+
+def tp_slices(module: torch.nn.Module) -> dict[str, tuple[Slice, tuple[int, ...]]]:
+    """Every tensor-parallel slice among `module`'s parameters, by parameter name."""
+    return {f"{name}.{p}" if name else p: held for name, mod in module.named_modules()
+            for p, held in getattr(mod, "tp_slices", {}).items()}
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Every rank's slice along the last dimension, concatenated; backward keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+
+
+def gather_from_tensor_parallel(x: Tensor, group) -> Tensor:
+    """The whole of a tensor split along its last dimension (e.g. logits by vocabulary)."""
+    return x if group is None else _GatherFromTensorParallel.apply(x, group)
+
+
+def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, first: int, group) -> Tensor:
+    """Embedding rows of `tokens` from this rank's slice of the table (vocabulary ids first ..
+    first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from here."""
+    if group is None:
+        return torch.nn.functional.embedding(tokens, weight)
+    mine = (tokens >= first) & (tokens < first + weight.shape[0])
+    rows = torch.nn.functional.embedding(torch.where(mine, tokens - first, 0), weight)
+    return from_tensor_parallel(rows * mine.unsqueeze(-1).to(rows.dtype), group)

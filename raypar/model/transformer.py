@@ -21,6 +21,8 @@ from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
 from raypar.model.split_backward import Linear
+from raypar.model.tensor_parallel import (TensorParallel, from_tensor_parallel, gather_from_tensor_parallel,
+                                          to_tensor_parallel, vocab_parallel_cross_entropy, vocab_parallel_embedding)
 
 __all__ = [
     "Attention",
@@ -49,18 +51,29 @@ def param_dtype(cfg: ModelConfig) -> torch.dtype:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Causal self-attention with rotary positions and grouped key/value heads. With `tp`,
+    this rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads (wq, wk,
+    wv by output rows, wo by input columns: `tensor_parallel`)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.kv_heads
+        self.tp = tp
         self.head_dim = cfg.dim // cfg.n_heads
+        self.n_heads = tp.split("model.n_heads", cfg.n_heads) if tp else cfg.n_heads
+        self.n_kv_heads = tp.split("model.n_kv_heads", cfg.kv_heads) if tp else cfg.kv_heads
         self.wq = Linear(cfg.dim, self.n_heads * self.head_dim, bias=False, dtype=dtype)
         self.wk = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
         self.wv = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
         self.wo = Linear(self.n_heads * self.head_dim, cfg.dim, bias=False, dtype=dtype)
+        if tp:
+            for w, heads in ((self.wq, cfg.n_heads), (self.wk, cfg.kv_heads), (self.wv, cfg.kv_heads)):
+                tp.mark(w, "weight", (heads * self.head_dim, cfg.dim), 0)
+            tp.mark(self.wo, "weight", (cfg.dim, cfg.n_heads * self.head_dim), 1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        group = self.tp.group if self.tp else None
+        x = to_tensor_parallel(x, group)
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -73,10 +86,11 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return from_tensor_parallel(self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)), group)
 
 
-def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
+def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
+              tp: TensorParallel | None = None) -> nn.Module:
     """The MLP of layer `layer_id`.
 
     This is the seam for mixture-of-experts: a MoE layer (for chosen layer ids, e.g. every
@@ -85,20 +99,43 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
     [b, t, dim] -> [b, t, dim]; any auxiliary loss needs its own channel out of the block.
     """
     if cfg.is_moe_layer(layer_id):
+        if tp:
+            raise ValueError(f"layer {layer_id} is a mixture-of-experts layer: tensor parallelism does not split "
+                             f"MoE layers yet; use parallel.ep for the experts")
         return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
+    if tp:
+        return ParallelFeedForward(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg))
     return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
 
 
+class ParallelFeedForward(FeedForward):
+    """The SwiGLU MLP split over `tp`: w1 and w3 by output rows (hidden units), w2 by input
+    columns; one all-reduce forward (the partial outputs) and one backward (the input's
+    gradient)."""
+
+    def __init__(self, dim: int, hidden_dim: int, tp: TensorParallel, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, tp.split("model.hidden_dim", hidden_dim), dtype=dtype)
+        self.tp = tp
+        tp.mark(self.w1, "weight", (hidden_dim, dim), 0)
+        tp.mark(self.w3, "weight", (hidden_dim, dim), 0)
+        tp.mark(self.w2, "weight", (dim, hidden_dim), 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return from_tensor_parallel(super().forward(to_tensor_parallel(x, self.tp.group)), self.tp.group)
+
+
 class Block(nn.Module):
-    def __init__(self, layer_id: int, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> None:
+    def __init__(self, layer_id: int, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
         self.dropout = cfg.dropout
+        # Norms and the residual stream are whole on every tensor-parallel rank.
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size)
+        self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size, tp)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, seeds: Tensor | None = None) -> Tensor:
         h = self._residual(self.attn(self.attn_norm(x), cos, sin), x, seeds, site=0)
@@ -143,10 +180,12 @@ class Transformer(nn.Module):
         chunks: Sequence[Sequence[int]] | None = None,
         embed_chunk: int | None = None,
         head_chunk: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.cfg = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
         if chunks is not None:
             if layer_ids is not None:
                 raise ValueError("give a stage's layers as layer_ids or as chunks, not both")
@@ -170,16 +209,25 @@ class Transformer(nn.Module):
         self.recompute = False
         self.on_block_input = None
 
+        tp = self.tp
+        # With tensor parallelism the embedding and the head hold this rank's slice of the
+        # vocabulary (ids vocab_first .. vocab_first + vocab_size / tp - 1).
+        vocab = tp.split("model.vocab_size", cfg.vocab_size) if tp else cfg.vocab_size
+        self.vocab_first = tp.rank * vocab if tp else 0
         if has_embed:
             # Given its (uninitialised) weight, the embedding skips its own normal_ draw, which
             # on the meta device imports torch's compiler stack (a second of every worker's start);
             # init_weights fills it.
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim, dtype=dtype))
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size) for i in ids})
+            self.embed = nn.Embedding(vocab, cfg.dim, _weight=torch.empty(vocab, cfg.dim, dtype=dtype))
+            if tp:
+                tp.mark(self.embed, "weight", (cfg.vocab_size, cfg.dim), 0)
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp) for i in ids})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
-            self.head = Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+            self.head = Linear(cfg.dim, vocab, bias=False, dtype=dtype)
+            if tp:
+                tp.mark(self.head, "weight", (cfg.vocab_size, cfg.dim), 0)
 
         # Non-persistent: derived from cfg, so they stay out of checkpoints and names.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -213,7 +261,8 @@ class Transformer(nn.Module):
         if self.embed_chunk == chunk:
             if x.dtype.is_floating_point:
                 raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
-            h = self.embed(x)
+            h = (vocab_parallel_embedding(x, self.embed.weight, self.vocab_first, self.tp.group) if self.tp
+                 else self.embed(x))
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
                 raise ValueError(f"this stage expects hidden states [b, t, {self.cfg.dim}], got shape {tuple(x.shape)}")
@@ -237,6 +286,13 @@ class Transformer(nn.Module):
             if labels is not None:
                 raise ValueError("labels were given to a stage without the output head")
             return h
+        if self.tp:
+            # This rank's vocabulary slice of the logits; the loss never gathers them.
+            logits = self.head(to_tensor_parallel(self.norm(h), self.tp.group))
+            if labels is None:
+                return gather_from_tensor_parallel(logits, self.tp.group)
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_first,
+                                                self.tp.group)
         logits = self.head(self.norm(h))
         if labels is None:
             return logits
@@ -285,7 +341,12 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
                 module_name = key.rsplit(".", 1)[0]  # the Linear's: stacked experts name theirs
                 std = residual_std if module_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT else cfg.init_std
                 gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, key))
-                values = torch.empty(p[index].shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                # A tensor-parallel slice takes its part of the whole tensor's draw: any tp
+                # initialises the same model.
+                piece, shape = getattr(mod, "tp_slices", {}).get(p_name, (None, p[index].shape))
+                values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                if piece is not None:
+                    values = piece.of(values)
                 p[index].copy_(values.to(p.dtype))
 
 
