@@ -70,6 +70,10 @@ def test_every_suite_runs_on_cpu(tmp_path):
     for killed in (recovery, borrowed):
         assert killed["kill_to_step_s"] > 0 and killed["failed_grid"] == killed["recovered_grid"]
         assert killed["source"] == "memory" and killed["steps_lost"] <= 1 and killed["vs_restart"] > 0
+        # Where the step before the kill and the first step after went, per stage.
+        before, after = killed["step_before_kill"], killed["first_step_after"]
+        assert after["step"] == killed["resumed_step"] and before["step"] == killed["killed_after"]
+        assert [w["stage"] for w in after["workers"]] == [0, 1] and after["step_ms"] > 0
     assert restart["restart_s"] > 0 and restart["resumed_step"] <= recovery["resumed_step"]
     assert (borrowed["workers_started"], borrowed["workers_from_standby"]) == (0, 1)
     assert borrowed["config"]["elastic"]["standby_gpu"] == "borrow"
@@ -81,6 +85,7 @@ def test_every_suite_runs_on_cpu(tmp_path):
     tail = out.stdout[out.stdout.rindex("# raypar benchmarks"):]
     for name in SUITES:
         assert f"## {name}:" in tail and f"## {name}:" in (tmp_path / "results.md").read_text()
+    assert "the first step after (step" in tail
     assert "| ep=2, grid (1,1,2) (4 mb) |" in tail and "| raypar 1f1b (8 mb); median of 2 launches" in tail
     _check_repeated_baselines(out, results)
 
