@@ -51,18 +51,20 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
 
 def check_object_store(every: int, nodes: list[str], state_bytes: list[int], peers: list[int],
                        capacity: dict[str, float], node_names: list[str] | None = None) -> None:
-    """Raise ConfigError when some node's object store cannot hold the replicas kept there:
-    for each worker whose peer is on that node, the two newest and one on its way."""
+    """Raise ConfigError when some node's object store cannot hold the replicas passing
+    through it: each worker's state travels as one object, put on the sender's node (and
+    pulled onto its peer's, when that is another), until the peer has copied it."""
     need: dict[str, int] = {}
     for source, keeper in enumerate(peers):
         if keeper != source:
-            need[nodes[keeper]] = need.get(nodes[keeper], 0) + (REPLICAS_KEPT + 1) * state_bytes[source]
+            for node in {nodes[source], nodes[keeper]}:
+                need[node] = need.get(node, 0) + state_bytes[source]
     names = dict(zip(nodes, node_names or nodes))
     for node, bytes_needed in need.items():
         if bytes_needed > capacity.get(node, 0):
             raise ConfigError(
-                f"elastic.memory_every={every} keeps replicas of the workers' states in Ray's object store: node "
-                f"{names[node]} needs about {bytes_needed / 2**30:.1f} GiB of it and has "
+                f"elastic.memory_every={every} sends replicas of the workers' states through Ray's object store: "
+                f"node {names[node]} needs about {bytes_needed / 2**30:.1f} GiB of it and has "
                 f"{capacity.get(node, 0) / 2**30:.1f} GiB; start Ray with a larger object store (`ray start "
                 f"--object-store-memory`, or `object_store_memory` in ray.init), or set elastic.memory_every=0")
 

@@ -142,10 +142,12 @@ def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():
     gib = 2**30
     nodes, states = ["n1", "n1", "n2", "n2"], [2 * gib] * 4
     peers = [peer_of(r, nodes) for r in range(4)]
-    check_object_store(1, nodes, states, peers, {"n1": 12 * gib, "n2": 12 * gib})  # 2 x 3 x 2 GiB a node
-    with pytest.raises(ConfigError, match=r"node n1 needs about 12.0 GiB of it and has 11.0 GiB; start Ray with a "
+    # Each node sends two states and receives two: 4 x 2 GiB in transit at most.
+    check_object_store(1, nodes, states, peers, {"n1": 8 * gib, "n2": 8 * gib})
+    with pytest.raises(ConfigError, match=r"node n1 needs about 8.0 GiB of it and has 7.0 GiB; start Ray with a "
                                           r"larger object store"):
-        check_object_store(1, nodes, states, peers, {"n1": 11 * gib, "n2": 12 * gib})
+        check_object_store(1, nodes, states, peers, {"n1": 7 * gib, "n2": 8 * gib})
+    check_object_store(1, ["n"] * 2, [gib] * 2, [1, 0], {"n": 2 * gib})  # one node: each state once
 
 
 def test_a_replica_is_copied_into_the_buffers_of_the_one_it_replaces():
