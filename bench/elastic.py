@@ -146,11 +146,21 @@ def memory_cost_rows(ctx: "Context") -> list[dict]:
         cfg = ctx.config(["parallel.pp=2", "elastic.enabled=true", f"elastic.memory_every={every_n}",
                           "checkpoint.every=0"], label, steps=steps)
         cfg.data.path = ctx.corpus(cfg)
-        rows += ctx.attempt(label, lambda: ctx.row(label, cfg, ctx.trainer(cfg, label).fit(), memory_every=every_n))
+        rows += ctx.attempt(label, lambda: memory_row(ctx, label, cfg, every_n))
     off, on = (next((r for r in rows if r.get("memory_every") == n and "tokens_per_s" in r), None) for n in (0, 1))
     if off and on:
         on["vs_no_memory"] = on["tokens_per_s"] / off["tokens_per_s"]
     return rows
+
+
+def memory_row(ctx: "Context", label: str, cfg, every_n: int) -> dict:
+    """A run's row with how many of its steps' states were copied into memory: copies wait
+    for the last one's replica, so `memory_every=1` copies fewer steps than it asks for, and
+    what the copies cost depends on how many there were."""
+    summary = ctx.trainer(cfg, label).fit()
+    copied = [r.step for r in summary.records if r.memory_copied]
+    return ctx.row(label, cfg, summary, memory_every=every_n, memory_copies=len(copied), copied_steps=copied,
+                   steps_run=len(summary.records))
 
 
 def ray_gpus() -> int:
@@ -201,10 +211,11 @@ def restart_row(ctx: "Context", killed: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = ["| run | tokens/s | vs memory_every=0 |", "|---|---|---|"]
+    lines = ["| run | tokens/s | vs memory_every=0 | steps copied |", "|---|---|---|---|"]
     for r in rows:
         if "memory_every" in r and "tokens_per_s" in r:
-            lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {f(r.get('vs_no_memory'))} |")
+            lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {f(r.get('vs_no_memory'))} | "
+                         f"{r.get('memory_copies', '')} of {r.get('steps_run', '')} |")
     lines += ["", "| run | kill to step s | steps redone (from) | detection s | recovery s | survivors' teardown s | "
               "workers up s | state load s | first step s | workers kept / started / from standby | vs restart |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

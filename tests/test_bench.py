@@ -67,6 +67,7 @@ def test_every_suite_runs_on_cpu(tmp_path):
 
     off, on, recovery, borrowed, restart = results["suites"]["elastic"]["rows"]
     assert (off["memory_every"], on["memory_every"]) == (0, 1) and on["vs_no_memory"] > 0
+    assert off["memory_copies"] == 0 and 0 < on["memory_copies"] <= on["steps_run"]
     for killed in (recovery, borrowed):
         assert killed["kill_to_step_s"] > 0 and killed["failed_grid"] == killed["recovered_grid"]
         assert killed["source"] == "memory" and killed["steps_lost"] <= 1 and killed["vs_restart"] > 0

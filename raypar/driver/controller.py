@@ -336,6 +336,7 @@ class Controller:
             self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:
             self.saver.poll()
+        record.memory_copied = sent.memory
         if sent.memory:
             self._memory_steps[step + 1] = record.consumed_samples
             # Workers keep their three newest copies and replicas of a peer's, which may be many

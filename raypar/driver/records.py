@@ -53,6 +53,9 @@ class StepRecord:
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
     mfu: float = 0.0
     schedule: str = ""  # the schedule the step ran (parallel.schedule=auto changes it)
+    # The workers copied their state after this step into memory (elastic.memory_every); a
+    # copy is not asked for while the last one is still being made or replicated.
+    memory_copied: bool = False
 
 
 def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prepared, step_time_s: float,
