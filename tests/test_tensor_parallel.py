@@ -142,7 +142,9 @@ def _model_worker(rank: int, port: int, queue) -> None:
         out = {}
         tp = TensorParallel(rank, TP)
         tp.group = dist.group.WORLD
-        for name, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp))):
+        recomputed = Transformer(cfg, tp=tp)
+        recomputed.recompute = True  # each block's forward again in backward, all-reduces included
+        for name, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp)), ("tp-recompute", recomputed)):
             init_weights(model, cfg, seed=3)
             loss = model(tokens, labels, seeds)
             loss.backward()
@@ -157,7 +159,7 @@ def _model_worker(rank: int, port: int, queue) -> None:
 
 def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_model():
     """Loss, logits (gathered) and every parameter's gradient, as this rank's slice of the
-    whole model's; GQA, dropout and ignored labels included."""
+    whole model's; GQA, dropout, ignored labels and block recompute included."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -168,15 +170,15 @@ def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_mod
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for rank, out in results.items():
-        (want_loss, want_logits, want_grads, _), (loss, logits, grads, slices) = out["whole"], out["tp"]
-        assert loss == pytest.approx(want_loss, rel=1e-5), f"rank {rank}"
+    for (rank, out), run in ((item, run) for item in results.items() for run in ("tp", "tp-recompute")):
+        (want_loss, want_logits, want_grads, _), (loss, logits, grads, slices) = out["whole"], out[run]
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"rank {rank}, {run}"
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
         assert set(grads) == set(want_grads)
         assert {n.rsplit(".", 2)[-2] for n in slices} == {"embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "head"}
         for name, g in grads.items():
             want = slices[name].of(want_grads[name]) if name in slices else want_grads[name]
-            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {run}: {name}")
 
 
 def test_a_head_count_tensor_parallelism_does_not_divide_is_a_clear_error():
