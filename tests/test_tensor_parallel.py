@@ -90,26 +90,32 @@ def _mlp_and_loss(rank: int, group) -> dict:
             **{k: (mine[k].grad, slices[k].of(full[k].grad) if k in slices else full[k].grad) for k in mine}}
 
 
-def _worker(rank: int, port: int, queue) -> None:
+def _worker(rank: int, port: int, queue, compute) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=TP)
     try:
-        queue.put((rank, _plain(_mlp_and_loss(rank, dist.group.WORLD))))
+        queue.put((rank, _plain(compute(rank, dist.group.WORLD))))
     finally:
         dist.destroy_process_group()
 
 
-def test_column_then_row_parallel_mlp_and_vocab_parallel_loss_equal_the_whole_layer():
+def _on_tp_ranks(compute) -> dict:
+    """`compute(rank, group)` on TP processes of one gloo group; each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(TP)]
+    procs = [ctx.Process(target=_worker, args=(r, port, queue, compute)) for r in range(TP)]
     for p in procs:
         p.start()
-    results = {r: _tensors(out) for r, out in (queue.get(timeout=120) for _ in procs)}
+    results = {r: _tensors(out) for r, out in (queue.get(timeout=180) for _ in procs)}
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+    return results
+
+
+def test_column_then_row_parallel_mlp_and_vocab_parallel_loss_equal_the_whole_layer():
+    results = _on_tp_ranks(_mlp_and_loss)
     for rank, got in results.items():
         loss, want = got.pop("loss")
         assert loss == pytest.approx(want, rel=1e-5), f"rank {rank}: loss"
@@ -124,52 +130,38 @@ def test_vocab_parallel_loss_without_a_group_is_cross_entropy():
         vocab_parallel_cross_entropy(logits, labels[:3], 0, None)
 
 
-def _model_worker(rank: int, port: int, queue) -> None:
+def _whole_and_split_models(rank: int, group) -> dict:
     from raypar.config import ModelConfig
     from raypar.kernels import sample_seeds
     from raypar.model import Transformer, init_weights
     from raypar.model.tensor_parallel import TensorParallel, tp_slices
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
-    try:
-        # Grouped-query attention (4 query heads, 2 key/value heads) and dropout on.
-        cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, dropout=0.1)
-        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-        labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
-        labels[0, :3] = -100
-        seeds = sample_seeds(0, 0, [0, 1])
-        out = {}
-        tp = TensorParallel(rank, TP)
-        tp.group = dist.group.WORLD
-        recomputed = Transformer(cfg, tp=tp)
-        recomputed.recompute = True  # each block's forward again in backward, all-reduces included
-        for name, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp)), ("tp-recompute", recomputed)):
-            init_weights(model, cfg, seed=3)
-            loss = model(tokens, labels, seeds)
-            loss.backward()
-            with torch.no_grad():
-                logits = model.eval()(tokens)
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            out[name] = (loss.item(), logits, grads, {n: piece for n, (piece, _) in tp_slices(model).items()})
-        queue.put((rank, _plain(out)))
-    finally:
-        dist.destroy_process_group()
+    # Grouped-query attention (4 query heads, 2 key/value heads) and dropout on.
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, dropout=0.1)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    labels[0, :3] = -100
+    seeds = sample_seeds(0, 0, [0, 1])
+    out = {}
+    tp = TensorParallel(rank, TP)
+    tp.group = group
+    recomputed = Transformer(cfg, tp=tp)
+    recomputed.recompute = True  # each block's forward again in backward, all-reduces included
+    for name, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp)), ("tp-recompute", recomputed)):
+        init_weights(model, cfg, seed=3)
+        loss = model(tokens, labels, seeds)
+        loss.backward()
+        with torch.no_grad():
+            logits = model.eval()(tokens)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        out[name] = (loss.item(), logits, grads, {n: piece for n, (piece, _) in tp_slices(model).items()})
+    return out
 
 
 def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_model():
     """Loss, logits (gathered) and every parameter's gradient, as this rank's slice of the
     whole model's; GQA, dropout, ignored labels and block recompute included."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_model_worker, args=(r, port, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    results = {r: _tensors(out) for r, out in (queue.get(timeout=180) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = _on_tp_ranks(_whole_and_split_models)
     for (rank, out), run in ((item, run) for item in results.items() for run in ("tp", "tp-recompute")):
         (want_loss, want_logits, want_grads, _), (loss, logits, grads, slices) = out["whole"], out[run]
         assert loss == pytest.approx(want_loss, rel=1e-5), f"rank {rank}, {run}"
