@@ -45,12 +45,10 @@ class StepProfiler:
                                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
                                 on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
         self._profile.start()  # warming up: set up, recording nothing
-        self.recording = False
 
     def record(self, ready: Callable[[], None] = lambda: None) -> None:
         ready()
         self._profile.step()
-        self.recording = True
 
     def stop(self) -> None:
         if self.cuda:
