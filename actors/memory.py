@@ -2,6 +2,7 @@
 whom, and a recovery's restore from what the survivors hold (`RecentStates` on each worker)."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import ray
@@ -69,6 +70,11 @@ def check_object_store(every: int, nodes: list[str], state_bytes: list[int], pee
                 f"--object-store-memory`, or `object_store_memory` in ray.init), or set elastic.memory_every=0")
 
 
+# Generations of peers set, unique across the groups and drivers of a run (copies in shared
+# memory outlive both): a state copied for one is never taken for another's.
+_GENERATIONS = itertools.count(time.time_ns() // 1000)
+
+
 class WorkerMemory:
     def __init__(self, group) -> None:
         self.group = group
@@ -85,17 +91,18 @@ class WorkerMemory:
                           peers, node_names)
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
         check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
-        self.generation += 1
+        self.generation = next(_GENERATIONS)
         refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None, self.generation)
                 for r, (w, peer) in enumerate(zip(g.workers, peers))]
         g.get(refs, g.cfg.runtime.step_timeout_s, "set_memory_peer")
 
-    def newest_whole(self, ranks: int, steps: list[int]) -> tuple[int, dict[int, int]] | str:
-        """The newest of `steps` whose state every rank of a `ranks`-worker grid has on some
-        live worker, and which worker (index) holds each rank's; else why there is none."""
+    def newest_whole(self, ranks: int, steps: list[int], generation: int) -> tuple[int, dict[int, int]] | str:
+        """The newest of `steps` whose state every rank of a `ranks`-worker grid, copied for
+        the peers of `generation`, has on some live worker or in its node's shared memory,
+        and which worker (index) serves each rank's; else why there is none."""
         g = self.group
         held: dict[tuple[int, int], int] = {}
-        inventories = g.get([w.memory_inventory.remote() for w in g.workers], g.cfg.runtime.step_timeout_s,
+        inventories = g.get([w.memory_inventory.remote(generation) for w in g.workers], g.cfg.runtime.step_timeout_s,
                             "memory_inventory")
         for index, inventory in enumerate(inventories):
             for rank, step in inventory:
@@ -107,19 +114,21 @@ class WorkerMemory:
         return (f"no step in memory for every rank (steps the driver saw copied: {sorted(steps)[-6:]}; "
                 f"held by rank: {by_rank})")
 
-    def restore(self, step: int, holders: dict[int, int], same_grid: bool) -> tuple[list[dict], float]:
+    def restore(self, step: int, holders: dict[int, int], same_grid: bool, generation: int) -> tuple[list[dict], float]:
         """Load the state after `step` steps into every worker from the holders' memory (each
         rank of the failed grid from `holders[rank]`), then forget what they held. Returns
         per worker its rank and bytes loaded, and the seconds it took."""
         g = self.group
         t0 = time.perf_counter()
         timeout = g.cfg.checkpoint.timeout_s
-        sources = g.get([g.workers[index].export_memory.remote(rank, step) for rank, index in holders.items()],
+        sources = g.get([g.workers[index].export_memory.remote(rank, step, generation) for rank, index in holders.items()],
                         timeout, "export_memory")
         loaded = g.get([w.load_memory.remote(sources, same_grid) for w in g.workers], timeout, "load_memory")
         self.clear()
         return loaded, time.perf_counter() - t0
 
-    def clear(self) -> None:
+    def clear(self, drop: bool = False) -> None:
+        """Every worker forgets the states it holds and those in its node's shared memory
+        (`drop`: the run's files there go too)."""
         g = self.group
-        g.get([w.clear_memory.remote() for w in g.workers], g.cfg.runtime.step_timeout_s, "clear_memory")
+        g.get([w.clear_memory.remote(drop) for w in g.workers], g.cfg.runtime.step_timeout_s, "clear_memory")

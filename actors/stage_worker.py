@@ -23,27 +23,11 @@ from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
+from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
 from raypar.schedule import Action
 from raypar.topology import Grid
-
-
-def _process_exists(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie has ended: its memory, GPU's too, is free)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def _free_port() -> int:
@@ -88,7 +72,7 @@ class StageWorker:
         self._snapshot_buffers: dict[str, torch.Tensor] = {}
         # This worker's newest states and a peer's (elastic.memory_every), kept across `reset`:
         # a recovery restores from them. `_peer`: the worker its copies go to.
-        self.recent = RecentStates()
+        self.recent = RecentStates(self._shared_copies())
         self._peer = None
         self.program_version = 0  # of the program set by set_program; 0: none yet
         self._profiler: StepProfiler | None = None  # runtime.profile_step's, from the step before it
@@ -102,6 +86,19 @@ class StageWorker:
         self._salvage_lock = threading.Lock()
         # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
         self._nccl_lock = threading.Lock()
+
+    def _shared_copies(self) -> SharedCopies | None:
+        """Where this worker's copies in memory go when they should outlive its process
+        (`elastic.memory_shared`): the run's directory in this node's shared memory."""
+        e = self.cfg.elastic
+        if not (e.enabled and e.memory_every > 0 and e.memory_shared):
+            return None
+        shared = SharedCopies.open(self.cfg.runtime.run_dir, ray.get_runtime_context().get_node_id(),
+                                   pin=self.device.type == "cuda")
+        if shared is None:
+            print("raypar: shared memory (/dev/shm) is not writable here: this worker's copies in memory die "
+                  "with its process", flush=True)
+        return shared
 
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
@@ -131,7 +128,8 @@ class StageWorker:
                     torch.cuda.synchronize(index)
             if takes_snapshots(self.cfg):
                 self._snapshot_buffers = pinned_buffers(shapes)
-            if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
+            if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0 and self.recent.shared is None:
+                # (Copies in shared memory get their files once the stage's layout is known.)
                 memory = snapshot_shapes_for_any_stage(self.cfg, self.grid, everything=True)
                 self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_KEPT + 1)])
 
@@ -140,7 +138,7 @@ class StageWorker:
         process `lost_pid` has ended (its GPU memory is free then), then run on its GPU
         `gpu_id` (None on CPU runs). Returns the seconds waited."""
         t0 = time.monotonic()
-        while lost_pid is not None and _process_exists(lost_pid):
+        while lost_pid is not None and process_running(lost_pid):
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the lost worker's process {lost_pid} still runs {timeout_s:g}s after it was "
                                    f"replaced; its GPU {gpu_id} is not free for the standby")
@@ -330,13 +328,14 @@ class StageWorker:
             buffers[name].copy_(t)
         self.recent.keep_replica(rank, steps_done, buffers, generation)
 
-    def memory_inventory(self) -> list[tuple[int, int]]:
-        """(rank, steps done) of every whole state this worker holds, its own and replicas."""
-        return self.recent.inventory()
+    def memory_inventory(self, generation: int | None = None) -> list[tuple[int, int]]:
+        """(rank, steps done) of every whole state this worker holds, its own and replicas, and
+        with `generation` those of that generation's peers in its node's shared memory."""
+        return self.recent.inventory(generation)
 
-    def export_memory(self, rank: int, steps_done: int) -> tuple[list[str], list]:
+    def export_memory(self, rank: int, steps_done: int, generation: int | None = None) -> tuple[list[str], list]:
         """The names of `rank`'s state after `steps_done` steps, and it in the object store."""
-        tensors = self.recent.tensors(rank, steps_done)
+        tensors = self.recent.tensors(rank, steps_done, generation)
         return sorted({split_piece_name(key)[0] for key in tensors}), [ray.put(pack(tensors))]
 
     def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool) -> dict:
@@ -351,8 +350,11 @@ class StageWorker:
         self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
         return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 
-    def clear_memory(self) -> None:
+    def clear_memory(self, drop: bool = False) -> None:
+        """Forget the states held (`drop`: the run is over, and its files in shared memory go)."""
         self.recent.clear()
+        if drop:
+            self.recent.drop_shared()
 
     def load_checkpoint(self, path: str, same_grid: bool) -> dict:
         """Load this worker's share of checkpoint `path`; returns how many bytes it read."""

@@ -200,13 +200,25 @@ class WorkerGroup:
                 raise StepTimeout(f"{what}: stage workers of ranks {late} did not answer within {timeout:g}s")
         return [results[r] for r in refs]
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_memory: bool = False) -> None:
+        """Kill the workers and give back what the group holds. Their states in shared memory
+        go too, unless `keep_memory` (a recovery that starts every worker again restores from them)."""
+        e = self.cfg.elastic
+        if not keep_memory and e.enabled and e.memory_every > 0 and e.memory_shared and self.workers:
+            # Each live worker removes its node's files; one that does not answer leaves them
+            # to the run's next `clear` on that node.
+            ray.wait([w.clear_memory.remote(True) for w in self.workers], num_returns=len(self.workers),
+                     timeout=_DROP_MEMORY_S)
         for w in [*self.workers, *self.reserve.actors()]:
             kill(w)
         self.workers = []
         self.reserve.clear()
         self.checkpoints.shutdown()
         self.placement.release()
+
+
+# How long a shutdown waits for the workers to remove the run's states from shared memory.
+_DROP_MEMORY_S = 10.0
 
 
 def _root_cause(error: Exception, refs: list) -> Exception:

@@ -237,6 +237,12 @@ class ElasticConfig:
     # redone, without reading storage. 0: recover from checkpoints only. Host memory per
     # worker: about six times its state (three own copies, one being made, two of a peer's).
     memory_every: int = 1
+    # Make those copies, and the replicas of peers', in the node's shared memory (/dev/shm)
+    # rather than the worker's own: a worker whose process dies leaves its copies on its node,
+    # where the run's other workers serve them, so a lost process redoes at most N steps (its
+    # replica may lag further). The space counts against /dev/shm's size; where it is short,
+    # copies fall back to the worker's own memory.
+    memory_shared: bool = True
     resource_timeout_s: float = 60.0  # how long planning waits for enough resources
     grow: bool = True  # move back toward the configured grid at a checkpoint when resources return
     # After a failure keep the stage workers that still answer (new process groups among them

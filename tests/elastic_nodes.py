@@ -7,6 +7,7 @@ recovery restored the lost node's ranks from the replicas on the other node, red
 most two steps) and GREW when it moved back to the configured grid after a node was added;
 exits non-zero on any failure.
 """
+import json
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,11 @@ def main(tmp: Path) -> int:
             print("GREW")
         return 0
     finally:
+        # Every state change with its cause: what a failed recovery attempt ran into.
+        log = tmp / "nodes-run" / "controller.jsonl"
+        if log.exists():
+            print("state changes:", [(c["state"], c["why"][:300]) for c in map(json.loads, log.read_text().splitlines())
+                                     if c["state"] in ("RECOVERING", "FAILED")], flush=True)
         ray.shutdown()
         cluster.shutdown()
 

@@ -11,7 +11,7 @@ from raypar.actors.memory import peer_of
 from raypar.driver.callbacks import Callback
 from raypar.driver.trainer import Trainer
 
-from helpers import last_loss_per_step, run_config
+from helpers import KillWorker, last_loss_per_step, run_config
 
 STEPS = 8
 VICTIM = 1
@@ -22,8 +22,10 @@ GATE_TIMEOUT_S = 240.0  # the block ends by itself after this, so that nothing w
 def replication_config(tmp_path, name):
     # steps_ahead=0: no step is in flight while a hook runs, so what each worker holds when the
     # hooks look (and when the victim dies) does not depend on timing.
+    # memory_shared=False: the victim's own copies die with its process; only its replicas remain.
     return run_config(tmp_path, name, (2, 2, 1), STEPS, checkpoint={"every": 2}, runtime={"steps_ahead": 0},
-                      elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1})
+                      elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1,
+                               "memory_shared": False})
 
 
 @pytest.fixture
@@ -142,3 +144,31 @@ def test_worker_killed_while_its_replica_is_sent_resumes_from_the_last_whole_rep
     assert [r.step for r in summary.records].count(BLOCK_AT + 1) == 2
     assert summary.consumed_samples == reference.consumed_samples == STEPS * 8
     assert summary.controller_states[-1] == "FINISHED"
+
+
+def test_workers_all_started_again_restore_from_the_copies_their_processes_left(ray_session, tmp_path, data):
+    """elastic.memory_shared (the default): the copies live in the node's shared memory. A
+    worker is killed and, with keep_survivors=false, every other one too; the new processes
+    find every rank's copies the old ones left on the node and restore from them: one step
+    redone at most, the uninterrupted run's result, and no file left once the run ends."""
+    from raypar.runtime.shared_copies import SHM_ROOT, run_key
+
+    def config(name):
+        return run_config(tmp_path, name, (1, 2, 1), STEPS, checkpoint={"every": 4},
+                          elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1,
+                                   "keep_survivors": False})
+
+    reference = Trainer(config("reference")).fit()
+    cfg = config("killed")
+    summary = Trainer(cfg, callbacks=[KillWorker(5, 1)]).fit()
+    event = summary.recoveries[0]
+    print(f"\nrecovery: {event['source']} at step {event['resumed_step']}, {event['steps_lost']} steps redone, "
+          f"recovered in {event['recovery_s']:.2f}s")
+    assert (event["workers_kept"], event["source"]) == (0, "memory"), event
+    # Not the checkpoint of step 4: the state after step 5 or 6 (the copy under way when the
+    # worker died).
+    assert event["resumed_step"] in (5, 6) and event["steps_lost"] <= 1, event
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(STEPS)] == pytest.approx([want[s] for s in range(STEPS)], rel=1e-5)
+    assert summary.consumed_samples == reference.consumed_samples
+    assert not (SHM_ROOT / run_key(cfg.runtime.run_dir)).exists()

@@ -95,9 +95,10 @@ class Controller:
         self._recovery: Recovery | None = None  # the recovery under way, until its first good step
         # Steps done -> samples consumed, for the steps whose states the workers keep in memory
         # and whose every report came back (elastic.memory_every); then, during a recovery,
-        # the failed grid and those steps.
+        # the failed grid, those steps and the generation of peers they were copied for.
         self._memory_steps: dict[int, int] = {}
-        self._memory_from: tuple[Grid, dict[int, int]] | None = None
+        self._memory_from: tuple[Grid, dict[int, int], int] | None = None
+        self._memory_swept = False  # the first group has cleared the nodes' shared memory
         self._memory_busy = False  # some worker was still copying or sending at its last report
         self._next_plan: Plan | None = None
         self._max_step_done = 0
@@ -394,6 +395,10 @@ class Controller:
             self.log(f"raypar: parallel.schedule=auto runs {self.schedule} on {self.grid}: {self.chooser.choice['reason']}")
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             self.group.memory.set_peers()
+            if not self._memory_swept:
+                # What a run in this run directory before this driver left in shared memory.
+                self.group.memory.clear()
+                self._memory_swept = True
         return path
 
     def _restore_from_memory(self, path: Location | None, order: SampleOrder) -> Resumed | None:
@@ -404,16 +409,17 @@ class Controller:
         failed, self._memory_from = self._memory_from, None
         if failed is None or self._recovery is None:
             return None
-        failed_grid, steps = failed
+        failed_grid, steps, generation = failed
         stored = -1 if path is None else read_manifest(path).step
-        found = self.group.memory.newest_whole(failed_grid.size, [s for s in steps if s >= stored])
+        found = self.group.memory.newest_whole(failed_grid.size, [s for s in steps if s >= stored], generation)
         if isinstance(found, str):
             self.log(f"raypar: {found}; loading from storage")
             self.group.memory.clear()
             return None
         step, holders = found
         self.group.prefetch(self._batch_ids(order, steps[step]))
-        loaded, load_s = self.group.memory.restore(step, holders, same_grid=failed_grid == self.grid)
+        loaded, load_s = self.group.memory.restore(step, holders, same_grid=failed_grid == self.grid,
+                                                   generation=generation)
         self.log(f"raypar: restored step {step} from the workers' memory"
                  + (f" (the newest checkpoint holds step {stored})" if stored >= 0 else ""))
         return Resumed(step, steps[step], None, loaded, load_s)
@@ -524,9 +530,9 @@ class Controller:
         setups = [i["setup_s"] for i in self.group.info if "setup_s" in i]
         return {k: max(s[k] for s in setups) for k in setups[0]} if setups else {}
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, keep_memory: bool = False) -> None:
         if self.group is not None:
-            self.group.shutdown()
+            self.group.shutdown(keep_memory)
             self.group = None
 
     # -- failures ------------------------------------------------------------------------------
@@ -544,7 +550,8 @@ class Controller:
         self._memory_busy = False  # the workers' copies after the restore start afresh
         if self._memory_steps:
             # What the workers keep in memory is of this grid and these steps.
-            self._memory_from, self._memory_steps = (self.grid, dict(self._memory_steps)), {}
+            self._memory_from = (self.grid, dict(self._memory_steps), self.group.memory.generation)
+            self._memory_steps = {}
         self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
                  f"recovering")
         save_lost = self.saver.abandon()
@@ -562,7 +569,8 @@ class Controller:
             else:
                 self.group.checkpoints.keep_writers_on(self.group.reserve.survivor_nodes())
         else:
-            self._shutdown()
+            # The workers' states in shared memory stay: the new ones restore from them.
+            self._shutdown(keep_memory=True)
         self.restarts += 1
         if self._recovery is not None:
             # Failed again before the first good step: one recovery, timed from the first failure.

@@ -9,11 +9,16 @@ it received whole (copied into the buffers of the replica they replace: `replica
 restores the newest step every rank of the failed grid has somewhere: a lost rank's from
 its peer's replica, which lags its owner's newest copy by as long as sending one takes.
 
+With `SharedCopies` (`elastic.memory_shared`) the copies and replicas are made in files in
+shared memory, which outlive the process: a lost worker's newest copies are still on its
+node, where the other workers list and serve them.
+
 Tensors travel between processes as raw bytes in numpy arrays (Ray moves those without
 pickling them; numpy has no bfloat16), with their dtype and shape beside them.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from raypar.checkpoint.pieces import split_piece_name
+from raypar.runtime.shared_copies import SharedCopies
 from raypar.runtime.snapshot import StateSnapshot
 
 Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
@@ -60,17 +66,26 @@ class RecentStates:
     ranks are those of the grid that took them, until `clear`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: SharedCopies | None = None) -> None:
+        """`shared`: where copies and replicas are made so that they outlive this process
+        (None: in its private memory)."""
         self._lock = threading.Lock()
         self._rank: int | None = None
-        self._copies: list[StateSnapshot] = [StateSnapshot() for _ in range(OWN_KEPT + 1)]
+        self.shared = shared
+        self._slots = [f"own{i}" for i in range(OWN_KEPT + 1)]  # each copy's file in `shared`
+        self._copies: list[StateSnapshot] = [
+            StateSnapshot(allocate=functools.partial(shared.allocate, slot) if shared else None)
+            for slot in self._slots]
         self._complete: dict[int, StateSnapshot] = {}  # step -> copy
         self._copying: StateSnapshot | None = None
         self._sending: threading.Thread | None = None  # makes and sends the copy under way
         self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
-        self._replicas: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # rank -> step -> tensors
+        # rank -> step -> (its file in `shared` or None, tensors)
+        self._replicas: dict[int, dict[int, tuple[str | None, dict[str, torch.Tensor]]]] = {}
         # Per rank, the buffers of a replica no longer kept, for its next one.
-        self._spare: dict[int, dict[str, torch.Tensor]] = {}
+        self._spare: dict[int, tuple[str | None, dict[str, torch.Tensor]]] = {}
+        self._filling: dict[int, str | None] = {}  # rank -> the file `replica_buffers` gave its next replica
+        self._replica_files = 0  # replica files made so far (their names)
         self.generation = 0  # of the peers set (`StageWorker.set_memory_peer`): replicas name theirs
         self.skipped = 0  # copies not taken because the last one was still being made
 
@@ -92,7 +107,10 @@ class RecentStates:
                 self.skipped += 1
                 return False
             self._copying = free
-            cleared = self._cleared
+            cleared, generation = self._cleared, self.generation
+            slot = self._slots[self._copies.index(free)]
+            if self.shared is not None:
+                self.shared.retract(slot)  # its file is about to be written
         free.begin(step, collect, taken, cuda)
 
         def finish() -> None:
@@ -104,6 +122,8 @@ class RecentStates:
                     self._complete[step] = free
                     for old in sorted(self._complete)[:-OWN_KEPT]:
                         del self._complete[old]
+                    if self.shared is not None:
+                        self.shared.commit(slot, rank, step, generation, free.host_tensors())
                 # Before the next copy may start: it could reuse the buffers being sent.
                 on_complete(step)
             finally:
@@ -172,36 +192,66 @@ class RecentStates:
         replica last dropped when they match (memory already mapped: a fresh allocation of
         gigabytes spends as long faulting its pages in as copying), else new ones."""
         with self._lock:
-            spare = self._spare.pop(rank, None)
-        if spare is not None and spare.keys() == like.keys() and all(
-                spare[n].shape == t.shape and spare[n].dtype == t.dtype for n, t in like.items()):
-            return spare
+            slot, spare = self._spare.pop(rank, (None, None))
+            if spare is not None and spare.keys() == like.keys() and all(
+                    spare[n].shape == t.shape and spare[n].dtype == t.dtype for n, t in like.items()):
+                self._filling[rank] = slot
+                return spare
+            if slot is not None:
+                self.shared.free(slot)
+            if self.shared is not None:
+                self._replica_files += 1
+                slot = f"replica{rank}-{self._replica_files}"
+                buffers = self.shared.allocate(slot, {n: (t.shape, t.dtype) for n, t in like.items()})
+                if buffers is not None:
+                    self._filling[rank] = slot
+                    return buffers
+            self._filling[rank] = None
         return {n: torch.empty_like(t) for n, t in like.items()}
 
     def keep_replica(self, rank: int, step: int, tensors: dict[str, torch.Tensor], generation: int) -> None:
         """Keep `rank`'s state after `step` steps, sent for the peers set in `generation`; one
         sent for an earlier generation (before a re-plan renumbered the ranks) is dropped."""
         with self._lock:
+            slot = self._filling.pop(rank, None)
             if generation != self.generation:
+                if slot is not None:
+                    self.shared.free(slot)
                 return
+            if slot is not None and not self.shared.commit(slot, rank, step, generation, tensors):
+                self.shared.free(slot)  # not the buffers `replica_buffers` gave
+                slot = None
             held = self._replicas.setdefault(rank, {})
-            held[step] = tensors
+            held[step] = (slot, tensors)
             for old in sorted(held)[:-REPLICAS_KEPT]:
-                self._spare[rank] = held.pop(old)
+                dropped = held.pop(old)
+                if dropped[0] is not None:
+                    self.shared.retract(dropped[0])
+                if rank in self._spare and self._spare[rank][0] is not None:
+                    self.shared.free(self._spare[rank][0])
+                self._spare[rank] = dropped
 
-    def inventory(self) -> list[tuple[int, int]]:
-        """(rank, step) of every whole state held: own copies and replicas."""
+    def inventory(self, generation: int | None = None) -> list[tuple[int, int]]:
+        """(rank, step) of every whole state held: own copies and replicas; with `generation`,
+        also those in shared memory on this node copied for that generation's peers (a lost
+        process's among them)."""
         with self._lock:
             own = [(self._rank, s) for s in self._complete] if self._rank is not None else []
-            return own + [(r, s) for r, held in self._replicas.items() for s in held]
+            held = own + [(r, s) for r, kept in self._replicas.items() for s in kept]
+        if self.shared is not None and generation is not None:
+            held += self.shared.inventory(generation)
+        return sorted(set(held))
 
-    def tensors(self, rank: int, step: int) -> dict[str, torch.Tensor]:
-        """The state of `rank` after `step` steps, own or replica (KeyError when not held)."""
+    def tensors(self, rank: int, step: int, generation: int | None = None) -> dict[str, torch.Tensor]:
+        """The state of `rank` after `step` steps, own or replica, or with `generation` from
+        shared memory on this node (KeyError when not held)."""
         with self._lock:
             if rank == self._rank and step in self._complete:
                 copy = self._complete[step]
             elif step in self._replicas.get(rank, {}):
-                return self._replicas[rank][step]
+                return self._replicas[rank][step][1]
+            elif self.shared is not None and generation is not None:
+                return self.shared.read(rank, step, generation)
             else:
                 raise KeyError((rank, step))
         return copy.host_tensors()
@@ -220,6 +270,17 @@ class RecentStates:
         with self._lock:
             self._cleared += 1
             self._complete.clear()
+            if self.shared is not None:
+                for slot, _ in [*self._spare.values(), *(r for kept in self._replicas.values() for r in kept.values())]:
+                    if slot is not None:
+                        self.shared.free(slot)
+                self.shared.clear()  # also what processes that ended left on this node
             self._replicas.clear()
             self._spare.clear()
             self._rank = None
+
+    def drop_shared(self) -> None:
+        """The run is over: remove its files in shared memory on this node (any process's)."""
+        if self.shared is not None:
+            with self._lock:
+                self.shared.drop()

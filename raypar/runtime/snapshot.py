@@ -25,11 +25,15 @@ Layout = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 class StateSnapshot:
-    def __init__(self, buffers: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, buffers: dict[str, torch.Tensor] | None = None,
+                 allocate: Callable[[Layout], dict[str, torch.Tensor] | None] | None = None) -> None:
         """`buffers`: host buffers of an earlier snapshot of this process (`release`), reused
-        where a name, shape and dtype match."""
+        where a name, shape and dtype match. `allocate`: makes a whole layout's buffers at
+        once (in shared memory: `SharedCopies`); None from it, or no `allocate`, means each
+        buffer on its own."""
         # By name; kept across saves, whatever they hold.
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
+        self._allocate = allocate
         self._names: list[str] = []  # what the last snapshot holds
         self._reserving: threading.Thread | None = None
         self._lock = threading.Lock()  # one thread issues a snapshot's copies
@@ -52,6 +56,17 @@ class StateSnapshot:
     def reserve(self, layout: Layout, pin: bool = True) -> None:
         """Allocate (pinned) buffers for `layout` on a background thread; returns at once."""
         if not layout:
+            return
+        if self._allocate is not None and not all(self._fits(n, *spec) for n, spec in layout.items()):
+            def allocate_all() -> None:
+                # The whole layout in one place, or (no room there) each buffer on its own.
+                whole = self._allocate(layout)
+                self._buffers = whole if whole is not None else {
+                    name: torch.empty(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in layout.items()}
+
+            self._buffers = {}
+            self._reserving = threading.Thread(target=allocate_all, name="snapshot-reserve", daemon=True)
+            self._reserving.start()
             return
 
         # Buffers handed over (`release`, `pinned_buffers`) that fit no name of this layout

@@ -1,0 +1,141 @@
+"""States in shared memory (`elastic.memory_shared`): what a process copied is listed and read
+by another process of the same node after the first one died, never across nodes or
+generations, never while it is being written; cleared and dropped without leftovers."""
+import errno
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from raypar.runtime.recent_states import OWN_KEPT, RecentStates
+from raypar.runtime.shared_copies import SharedCopies
+
+GENERATION = 41
+
+
+def _copy(recent: RecentStates, rank: int, step: int, w: torch.Tensor) -> None:
+    assert recent.begin(rank, step, lambda: {"w": w.clone()}, {"rng": torch.tensor([rank, step], dtype=torch.uint8)},
+                        False, lambda s: None)
+    recent.settle()
+
+
+def _layout(w: torch.Tensor) -> dict:
+    return {"w": (w.shape, w.dtype)}
+
+
+def test_a_dead_processes_copies_are_read_by_another_on_its_node(tmp_path):
+    """A worker process copies its state twice and keeps a peer's replica, then dies without
+    cleaning up: a process on the same node lists and reads all three; another node sees none."""
+    child = textwrap.dedent(f"""
+        import os, torch
+        from pathlib import Path
+        from raypar.runtime.recent_states import RecentStates
+        from raypar.runtime.shared_copies import SharedCopies
+        recent = RecentStates(SharedCopies.open("run", "node-a", root=Path({str(tmp_path)!r})))
+        recent.generation = {GENERATION}
+        w = torch.zeros(1000, dtype=torch.bfloat16)
+        recent.reserve({{"w": (w.shape, w.dtype)}}, pin=False)
+        for step in (1, 2):
+            w.fill_(step)
+            recent.begin(3, step, lambda: {{"w": w}}, {{"rng": torch.tensor([3, step], dtype=torch.uint8)}}, False,
+                         lambda s: None)
+            recent.settle()
+        incoming = {{"w": torch.full((7,), 5.0)}}
+        buffers = recent.replica_buffers(0, incoming)
+        buffers["w"].copy_(incoming["w"])
+        recent.keep_replica(0, 2, buffers, {GENERATION})
+        os._exit(0)  # as a killed process: nothing cleans up
+    """)
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+
+    here = SharedCopies.open("run", "node-a", root=tmp_path)
+    assert here.inventory(GENERATION) == [(0, 2), (3, 1), (3, 2)]
+    state = here.read(3, 2, GENERATION)
+    assert torch.equal(state["w"], torch.full((1000,), 2, dtype=torch.bfloat16))
+    assert torch.equal(state["rng"], torch.tensor([3, 2], dtype=torch.uint8))
+    assert torch.equal(here.read(0, 2, GENERATION)["w"], torch.full((7,), 5.0))
+    # Served through a worker's RecentStates, as a recovery asks for it.
+    recent = RecentStates(here)
+    assert recent.inventory(GENERATION) == [(0, 2), (3, 1), (3, 2)]
+    assert torch.equal(recent.tensors(3, 1, GENERATION)["w"], torch.ones(1000, dtype=torch.bfloat16))
+    # Another generation of peers (a plan before, or a driver before) or another node: nothing.
+    assert here.inventory(GENERATION + 1) == []
+    assert SharedCopies.open("run", "node-b", root=tmp_path).inventory(GENERATION) == []
+    with pytest.raises(KeyError):
+        here.read(3, 3, GENERATION)
+    # A clear forgets them and removes the dead process's files.
+    recent.clear()
+    assert here.inventory(GENERATION) == [] and list((tmp_path / here.node_dir.relative_to(tmp_path)).iterdir()) == []
+
+
+def test_a_copy_being_written_is_not_listed(tmp_path):
+    """Its slot's manifest goes before the copy writes into the file, and comes back once whole."""
+    shared = SharedCopies.open("run", "node", root=tmp_path)
+    recent = RecentStates(shared)
+    recent.generation = GENERATION
+    w = torch.zeros(64)
+    recent.reserve(_layout(w), pin=False)
+    for step in range(1, OWN_KEPT + 2):  # every slot holds a step
+        _copy(recent, 0, step, w + step)
+    assert shared.inventory(GENERATION) == [(0, s) for s in range(1, OWN_KEPT + 2)]
+
+    release = []
+    gate_open = __import__("threading").Event()
+
+    def slow_collect():
+        gate_open.wait(30)
+        return {"w": w + 99}
+
+    assert recent.begin(0, 9, slow_collect, {}, False, release.append)
+    # The oldest step's file is being written: gone from the list, the others stay.
+    assert shared.inventory(GENERATION) == [(0, s) for s in range(2, OWN_KEPT + 2)]
+    gate_open.set()
+    recent.settle()
+    assert release == [9]
+    assert shared.inventory(GENERATION) == [(0, s) for s in [*range(2, OWN_KEPT + 2), 9]]
+    assert torch.equal(shared.read(0, 9, GENERATION)["w"], w + 99)
+
+
+def test_no_room_in_shared_memory_falls_back_to_private_copies(tmp_path, monkeypatch):
+    """A full /dev/shm fails when the file is made, not as a bus error later: the copies go
+    to the process's own memory and still serve this process."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    shared = SharedCopies.open("run", "node", root=tmp_path)
+    recent = RecentStates(shared)
+    recent.generation = GENERATION
+    w = torch.arange(16.0)
+    recent.reserve(_layout(w), pin=False)
+    _copy(recent, 2, 5, w)
+    assert recent.inventory(GENERATION) == [(2, 5)]
+    assert shared.inventory(GENERATION) == []
+    assert torch.equal(recent.tensors(2, 5)["w"], w)
+
+
+def test_drop_removes_the_runs_files(tmp_path):
+    shared = SharedCopies.open("run", "node", root=tmp_path)
+    recent = RecentStates(shared)
+    w = torch.ones(8)
+    recent.reserve(_layout(w), pin=False)
+    _copy(recent, 0, 1, w)
+    assert any(tmp_path.iterdir())
+    recent.drop_shared()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_shared_copies_are_pinned_for_copies_from_the_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shared = SharedCopies.open("run", "node", pin=True, root=tmp_path)
+    buffers = shared.allocate("own0", {"w": (torch.Size([1 << 20]), torch.bfloat16)})
+    assert buffers["w"].is_pinned()
+    src = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+    buffers["w"].copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buffers["w"], src.cpu())
+    shared.drop()
