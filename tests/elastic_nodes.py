@@ -21,6 +21,7 @@ from raypar.driver.callbacks import Callback  # noqa: E402
 from raypar.config import config_from_dict  # noqa: E402
 from raypar.data import write_synthetic_corpus  # noqa: E402
 from raypar.driver.trainer import Trainer  # noqa: E402
+from raypar.runtime.shared_copies import SHM_ROOT, run_key  # noqa: E402
 
 
 class NodeChaos(Callback):
@@ -106,6 +107,11 @@ def main(tmp: Path) -> int:
                 print("FROM MEMORY")
         if "GROWING" in summary.controller_states and chaos.grids[-1] == "dp=2 x pp=2 x ep=1":
             print("GREW")
+        # The lost node's copies in shared memory (one machine: its /dev/shm is still here) go
+        # too once its processes have ended.
+        left = SHM_ROOT / run_key(cfg.runtime.run_dir)
+        if left.exists():
+            print("LEFT IN SHARED MEMORY:", sorted(str(p.relative_to(left)) for p in left.rglob("*")))
         return 0
     finally:
         # Every state change with its cause: what a failed recovery attempt ran into.

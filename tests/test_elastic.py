@@ -276,3 +276,4 @@ def test_node_loss_shrinks_and_node_return_grows(tmp_path, data):
     said = "\n".join(line for line in out.stdout.splitlines() if line[:1].isalpha() and "(raylet)" not in line)
     assert out.returncode == 0, said[-6000:] + out.stderr[-3000:]
     assert "GREW" in out.stdout and "SHRANK" in out.stdout and "FROM MEMORY" in out.stdout, said[-6000:]
+    assert "LEFT IN SHARED MEMORY" not in out.stdout, said[-6000:]

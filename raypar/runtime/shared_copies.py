@@ -78,6 +78,7 @@ class SharedCopies:
         # By slot (a file's name): its bytes as mapped here, and whether CUDA has them registered.
         self._mapped: dict[str, tuple[torch.Tensor, bool]] = {}
         self._said_full = False
+        self._dropped = False  # the run is over here: nothing is made again (`drop`)
 
     @classmethod
     def open(cls, run_dir: str, node_id: str, pin: bool = False, root: Path = SHM_ROOT) -> SharedCopies | None:
@@ -94,6 +95,8 @@ class SharedCopies:
         The file's space is reserved now, so that a full /dev/shm fails here, not as a
         bus error on a later write."""
         self.free(slot)
+        if self._dropped:
+            return None
         offsets, size = _place(layout)
         path = self.own_dir / f"{slot}.bin"
         self.own_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ class SharedCopies:
         file (the RNG states a copy takes as they are) are written beside it, up to
         `_EXTRA_BYTES`; past that (the state is not the one the file was made for), or when the
         slot has no file (no room for it), nothing is committed and this returns False."""
-        if slot not in self._mapped:
+        if slot not in self._mapped or self._dropped:
             return False
         entries, extra = {}, {}
         for name, t in tensors.items():
@@ -213,12 +216,25 @@ class SharedCopies:
                 path.unlink(missing_ok=True)
             for path in folder.glob("*.extra"):
                 path.unlink(missing_ok=True)
+        self._sweep_ended_nodes()
+
+    def _sweep_ended_nodes(self) -> None:
+        """Remove the run's directories of other nodes on this machine none of whose processes
+        runs: a node whose raylet died and came back under another id, or (on one machine) a
+        simulated node that went. A live node's are kept."""
+        for node_dir in self.node_dir.parent.glob("*"):
+            if node_dir != self.node_dir and not any(
+                    process_running(int(folder.name[1:])) for folder in node_dir.glob("p*")):
+                shutil.rmtree(node_dir, ignore_errors=True)
 
     def drop(self) -> None:
-        """The run is over on this node: remove its directory (live mappings stay valid)."""
+        """The run is over on this node: remove its directory (live mappings stay valid), and
+        those of nodes that ended on this machine."""
+        self._dropped = True
         for slot in list(self._mapped):
             self.free(slot)
         shutil.rmtree(self.node_dir, ignore_errors=True)
+        self._sweep_ended_nodes()
         try:
             self.node_dir.parent.rmdir()  # the run's, once no node of it is left on this machine
         except OSError:
