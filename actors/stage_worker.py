@@ -40,6 +40,10 @@ class ProgramVersionError(RuntimeError):
     """A step named a program version the worker was not sent (a driver bug)."""
 
 
+class NodeLost(RuntimeError):
+    """This worker's node is gone (its raylet ended); the process lingers until Ray's cleanup reaches it."""
+
+
 class StepRefused(RuntimeError):
     """A step queued behind one that failed on this worker (or after `abort`): it waits for `reset`."""
 
@@ -84,6 +88,9 @@ class StageWorker:
         # different threads in either order, and a late abort must not hit the next plan.
         self.salvage = 0
         self._salvage_lock = threading.Lock()
+        # Ray starts workers from their node's raylet: when it ends (the node is lost) this
+        # process is reparented, though it may answer calls a while longer.
+        self._raylet_pid = os.getppid()
         # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
         self._nccl_lock = threading.Lock()
 
@@ -152,7 +159,14 @@ class StageWorker:
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process-group rendezvous."""
+        self._check_node()
         return ray.util.get_node_ip_address(), _free_port()
+
+    def _check_node(self) -> None:
+        """Raise NodeLost when this worker's raylet has ended: a worker of a lost node must not
+        pass for a survivor (its node's resources are gone, the next setup would fail on them)."""
+        if os.getppid() != self._raylet_pid:
+            raise NodeLost(f"rank {self.rank}: the raylet of this worker's node (pid {self._raylet_pid}) has ended")
 
     def setup(self, master_addr: str, master_port: int, cfg: dict | None = None, grid: Grid | None = None,
               rank: int | None = None, init_weights: bool = True) -> dict:
@@ -395,6 +409,7 @@ class StageWorker:
         has returned on this worker. Returns this worker's node id."""
         import gc
 
+        self._check_node()
         with self._salvage_lock:
             faulthandler.cancel_dump_traceback_later()
             self.failed = None
