@@ -8,7 +8,7 @@ import time
 import ray
 
 from raypar.config import ConfigError
-from raypar.runtime.recent_states import OWN_KEPT, REPLICAS_KEPT
+from raypar.runtime.recent_states import OWN_SLOTS, REPLICAS_KEPT
 
 
 
@@ -28,13 +28,14 @@ def peer_of(rank: int, nodes: list[str]) -> int:
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
                       peers: list[int], node_names: list[str] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
-    copies of its own state (three kept, one being made) and the replicas it keeps for its
-    peer (the two newest). Lists are by rank; `available` is what each worker's host reported free."""
+    copies of its own state (`OWN_SLOTS`: the newest, one being made, the sources of its
+    replicas) and the replicas it keeps for its peer (the two newest). Lists are by rank;
+    `available` is what each worker's host reported free."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     count: dict[str, int] = {}
     for rank, node in enumerate(nodes):
-        need[node] = need.get(node, 0) + (OWN_KEPT + 1) * state_bytes[rank]
+        need[node] = need.get(node, 0) + OWN_SLOTS * state_bytes[rank]
         free[node] = min(free.get(node, available[rank]), available[rank])
         count[node] = count.get(node, 0) + 1
     for source, keeper in enumerate(peers):
@@ -45,7 +46,7 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
         if bytes_needed > free[node]:
             raise ConfigError(
                 f"elastic.memory_every={every} keeps the workers' states in host memory: node {names[node]} needs "
-                f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_KEPT + 1} copies of "
+                f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_SLOTS} copies of "
                 f"each one's state and the replicas it keeps for its peers) and has {free[node] / 2**30:.1f} GiB "
                 f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory")
 

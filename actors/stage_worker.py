@@ -22,7 +22,7 @@ from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
-from raypar.runtime.recent_states import OWN_KEPT, RecentStates, pack, unpack
+from raypar.runtime.recent_states import OWN_SLOTS, RecentStates, pack, unpack
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -138,7 +138,7 @@ class StageWorker:
             if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0 and self.recent.shared is None:
                 # (Copies in shared memory get their files once the stage's layout is known.)
                 memory = snapshot_shapes_for_any_stage(self.cfg, self.grid, everything=True)
-                self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_KEPT + 1)])
+                self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_SLOTS)])
 
     def take_gpu(self, gpu_id: str | None, lost_pid: int | None, timeout_s: float) -> float:
         """A borrowing standby replacing a worker of its node: wait until the lost worker's
@@ -223,10 +223,12 @@ class StageWorker:
 
     def run_step(self, step: int, version: int, sample_ids: list[int],
                  capture_grads: bool = False, snapshot: dict | None = None,
-                 next_sample_ids: list[int] | None = None, memory: bool = False) -> StepReport:
+                 next_sample_ids: list[int] | None = None, memory: bool = False,
+                 replicate: bool = False) -> StepReport:
         """One step of program `version`; with `snapshot` (save options) the state after it
         starts copying to host; with `memory`, all of it starts copying into this worker's
-        recent states (`elastic.memory_every`); with `next_sample_ids`, the next step's batch,
+        recent states (`elastic.memory_every`), and with `replicate` that copy then goes to its
+        peer; with `next_sample_ids`, the next step's batch,
         whose first forward may be issued ahead (`runtime.forward_ahead`). The report carries
         numbers, not the program's labels."""
         if self.failed is not None:
@@ -253,8 +255,10 @@ class StageWorker:
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
             if memory:
-                report.checkpoint_stall_s += self.runtime.keep_recent(step, self.recent, self._send_replica)
+                report.checkpoint_stall_s += self.runtime.keep_recent(
+                    step, self.recent, self._send_replica if replicate else None)
             report.memory_busy = self.recent.busy(step + 1)
+            report.replica_busy = self.recent.sending()
         except BaseException as e:
             self.failed = f"step {step} failed ({type(e).__name__})"
             self._break_groups()
@@ -317,9 +321,8 @@ class StageWorker:
 
     def _send_replica(self, steps_done: int) -> None:
         """Send the copy of the state after `steps_done` steps to the peer and wait until it
-        holds it. Runs on the copy's thread, and no new copy starts meanwhile (it could reuse
-        these buffers): a slow peer spaces this worker's copies out; a lost one costs that
-        copy its replica."""
+        holds it. Runs on a thread of its own while copies go on: a slow peer spaces out
+        this worker's replicas, not its copies; a lost one costs that copy its replica."""
         peer = self._peer
         if peer is None:
             return

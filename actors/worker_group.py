@@ -119,13 +119,14 @@ class WorkerGroup:
 
     def issue_step(self, step: int, sample_ids: list[list[int]], capture_grads: bool = False,
                    snapshot: dict | None = None, next_sample_ids: list[list[int]] | None = None,
-                   memory: bool = False) -> list:
+                   memory: bool = False, replicate: bool = False) -> list:
         """Send a step without waiting for it; one ObjectRef per worker, by rank. Workers run
         their calls in order, so a step issued while the last one runs starts the moment that
         one ends. `next_sample_ids`: the next step's batch per worker, when it follows;
-        `memory`: the workers keep their state after it in memory (`WorkerMemory`)."""
+        `memory`: the workers keep their state after it in memory (`WorkerMemory`), and with
+        `replicate` send that copy to their peers."""
         return [w.run_step.remote(step, self.program_version, sample_ids[r], capture_grads, snapshot,
-                                  next_sample_ids[r] if next_sample_ids is not None else None, memory)
+                                  next_sample_ids[r] if next_sample_ids is not None else None, memory, replicate)
                 for r, w in enumerate(self.workers)]
 
     def wait_reports(self, step: int, refs: list) -> list[StepReport]:

@@ -18,14 +18,17 @@ if TYPE_CHECKING:
 TITLE = ("states in memory every step against none; a killed stage worker recovered in place against a full restart "
          "from the last committed checkpoint")
 NOTES = ("memory copies: `elastic.memory_every=1` (every worker copies its whole state to host memory after each step "
-         "and replicates it to a peer) against `=0`, no saves, tokens/s of the steady steps, same config otherwise. "
+         "and sends copies to a peer as fast as they travel) against `=0`, no saves, tokens/s of the steady steps, "
+         "same config otherwise; copies in shared memory registered with CUDA (`elastic.memory_shared`, the default), "
+         "on GPU also in the workers' own pinned memory. "
          "Killed runs: `elastic.memory_every=1` and a save every few steps (`when_busy=skip`); the worker dies at the "
          "end of the first step after a checkpoint has committed and the memory ring is full, whatever is being "
          "copied or replicated then. kill to step: from the kill to the end of the first step completed after it, "
          "as a user sees it; detection: from the killed step's start to the failure being seen; recovery: from "
          "detection to the end of the first step after it (raypar's summary.recoveries), in phases: the survivors' "
          "abort and teardown, workers up (replacements started, process groups and stages built), state load "
-         "(from memory or storage), first step. Standby: a started idle worker takes the lost one's place, holding "
+         "(from memory or storage), first step. With `elastic.memory_shared=false` the lost worker's own copies die with "
+         "it and its rank comes back from its replica. Standby: a started idle worker takes the lost one's place, holding "
          "a GPU of its own (`elastic.standby_gpu=own`: a GPU beyond the grid's) or borrowing the lost worker's once "
          "its process has ended (`=borrow`). Restart: from constructing a new Trainer "
          "(checkpoint.resume=the newest checkpoint committed at the kill) to the end of its first step, in the same "
@@ -112,6 +115,9 @@ def run(ctx: "Context") -> list[dict]:
     steps = 12 if ctx.cpu else 200
     gpus, pp = ray_gpus(), 2
     kinds = [("without a standby", [])]
+    if not ctx.cpu:
+        # The lost process's own copies die with it: its rank comes back from its replica.
+        kinds.append(("without a standby, copies in the workers' own memory", ["elastic.memory_shared=false"]))
     if gpus > pp:
         kinds.append(("with a standby holding a GPU of its own", ["elastic.standby_workers=1"]))
     elif not ctx.cpu:  # on CPU a standby holds no GPU either way: the borrowing row runs its path
@@ -141,26 +147,32 @@ def memory_cost_rows(ctx: "Context") -> list[dict]:
     """The same run without and with states in memory after every step (no saves, no kill)."""
     steps = ctx.default_steps(gpu=16)
     rows = []
-    for every_n in (0, 1):
-        label = f"memory copies: elastic.memory_every={every_n}"
+    # On GPU also copies into the workers' own pinned memory, against shared memory
+    # registered with CUDA (`elastic.memory_shared`, the default).
+    runs = [(0, True), (1, True)] + ([] if ctx.cpu else [(1, False)])
+    for every_n, shared in runs:
+        label = f"memory copies: elastic.memory_every={every_n}" + ("" if shared else ", memory_shared=false")
         cfg = ctx.config(["parallel.pp=2", "elastic.enabled=true", f"elastic.memory_every={every_n}",
-                          "checkpoint.every=0"], label, steps=steps)
+                          f"elastic.memory_shared={str(shared).lower()}", "checkpoint.every=0"], label, steps=steps)
         cfg.data.path = ctx.corpus(cfg)
-        rows += ctx.attempt(label, lambda: memory_row(ctx, label, cfg, every_n))
-    off, on = (next((r for r in rows if r.get("memory_every") == n and "tokens_per_s" in r), None) for n in (0, 1))
-    if off and on:
-        on["vs_no_memory"] = on["tokens_per_s"] / off["tokens_per_s"]
+        rows += ctx.attempt(label, lambda: memory_row(ctx, label, cfg, every_n) | {"memory_shared": shared})
+    off = next((r for r in rows if r.get("memory_every") == 0 and "tokens_per_s" in r), None)
+    for on in rows:
+        if off and on.get("memory_every") == 1 and "tokens_per_s" in on:
+            on["vs_no_memory"] = on["tokens_per_s"] / off["tokens_per_s"]
     return rows
 
 
 def memory_row(ctx: "Context", label: str, cfg, every_n: int) -> dict:
-    """A run's row with how many of its steps' states were copied into memory: copies wait
-    for the last one's replica, so `memory_every=1` copies fewer steps than it asks for, and
-    what the copies cost depends on how many there were."""
+    """A run's row with how many of its steps' states were copied into memory and sent to a
+    peer: a copy waits for the last copy, a replica for the last replica, so `memory_every=1`
+    may copy and replicate fewer steps than it asks for, and what the copies cost depends on
+    how many there were."""
     summary = ctx.trainer(cfg, label).fit()
     copied = [r.step for r in summary.records if r.memory_copied]
+    replicated = [r.step for r in summary.records if r.memory_replicated]
     return ctx.row(label, cfg, summary, memory_every=every_n, memory_copies=len(copied), copied_steps=copied,
-                   steps_run=len(summary.records))
+                   memory_replicas=len(replicated), replicated_steps=replicated, steps_run=len(summary.records))
 
 
 def ray_gpus() -> int:

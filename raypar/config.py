@@ -232,10 +232,12 @@ class ElasticConfig:
     min_workers: int = 1  # the smallest grid worth running; below it the run waits, then fails
     max_restarts: int = 3  # recoveries before the run gives up
     # Copy each worker's whole state into host memory after every N steps, beside the next
-    # step, and send the copy to a peer worker (on another node where there is one): a
-    # recovery restores the newest step every rank has somewhere, so at most N steps are
-    # redone, without reading storage. 0: recover from checkpoints only. Host memory per
-    # worker: about six times its state (three own copies, one being made, two of a peer's).
+    # step, and send copies to a peer worker (on another node where there is one) as fast as
+    # they travel: a recovery restores the newest step every rank has somewhere, so a lost
+    # process redoes at most N steps and a lost node the steps since its replicas, without
+    # reading storage. 0: recover from checkpoints only. Host memory per worker: about eight
+    # times its state (the three newest own copies, one being made, the two its replicas come
+    # from, two of a peer's).
     memory_every: int = 1
     # Make those copies, and the replicas of peers', in the node's shared memory (/dev/shm)
     # rather than the worker's own: a worker whose process dies leaves its copies on its node,

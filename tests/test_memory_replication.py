@@ -15,7 +15,7 @@ from helpers import KillWorker, last_loss_per_step, run_config
 
 STEPS = 8
 VICTIM = 1
-BLOCK_AT = 3  # the record step after which the victim's replicas stop arriving; odd: see the test
+BLOCK_AT = 3  # from this record step on, the first replicated step's replica is the victim's last
 GATE_TIMEOUT_S = 240.0  # the block ends by itself after this, so that nothing waits forever
 
 
@@ -23,7 +23,8 @@ def replication_config(tmp_path, name):
     # steps_ahead=0: no step is in flight while a hook runs, so what each worker holds when the
     # hooks look (and when the victim dies) does not depend on timing.
     # memory_shared=False: the victim's own copies die with its process; only its replicas remain.
-    return run_config(tmp_path, name, (2, 2, 1), STEPS, checkpoint={"every": 2}, runtime={"steps_ahead": 0},
+    # No checkpoints: the recovery restores from memory or starts over.
+    return run_config(tmp_path, name, (2, 2, 1), STEPS, checkpoint={"every": 0}, runtime={"steps_ahead": 0},
                       elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1,
                                "memory_shared": False})
 
@@ -60,14 +61,16 @@ def replica_steps(worker, rank: int) -> list[int]:
 
 
 class BlockReplicationThenKill(Callback):
-    """After step `BLOCK_AT`, once the victim's replica of the state after it is kept by its
-    peer, occupies the peer's "memory" concurrency group (one call at a time) with a
-    keep_replica that waits on `gate`: the victim's later replicas queue behind it and are
-    never kept. After the next step, while that step's replica is on its way, kills the victim."""
+    """After the first step from `BLOCK_AT` on whose copy was replicated (replicas go at their
+    own pace: not every step's is), once the victim's replica of it is kept by its peer,
+    occupies the peer's "memory" concurrency group (one call at a time) with a keep_replica
+    that waits on `gate`: the victim's later replicas queue behind it and are never kept.
+    After the next step kills the victim."""
 
     def __init__(self, gate):
         self.gate = gate
         self.blocked = None  # the blocking call's ref
+        self.blocked_after: int | None = None  # steps done when the block came
         self.peer = None
         self.replica_before_block: list[int] = []
         self.replica_at_kill: list[int] | None = None
@@ -75,21 +78,22 @@ class BlockReplicationThenKill(Callback):
 
     def on_step_end(self, trainer, record):
         workers = trainer.group.workers
-        if record.step == BLOCK_AT and self.blocked is None:
+        if record.step >= BLOCK_AT and self.blocked is None and record.memory_replicated:
             self.peer = peer_of(VICTIM, [i["node_id"] for i in trainer.group.info])
             assert self.peer == (VICTIM + 1) % len(workers)  # one node
-            # The copy of the state after BLOCK_AT + 1 steps is made and sent beside the loop:
-            # wait until the peer holds it, so that the block comes after it and before the next.
+            # The copy of the state after this step is sent beside the loop: wait until the
+            # peer holds it, so that the block comes after it and before the next.
+            self.blocked_after = record.step + 1
             deadline = time.monotonic() + 60
-            while BLOCK_AT + 1 not in (held := replica_steps(workers[self.peer], VICTIM)):
-                assert time.monotonic() < deadline, f"the peer never kept step {BLOCK_AT + 1}'s replica: {held}"
+            while self.blocked_after not in (held := replica_steps(workers[self.peer], VICTIM)):
+                assert time.monotonic() < deadline, f"the peer never kept step {self.blocked_after}'s replica: {held}"
                 time.sleep(0.01)
             self.replica_before_block = held
             # Steps -1: were it ever kept, it is older than every real step (it is not: see Gate.wait).
             self.blocked = workers[self.peer].keep_replica.remote(VICTIM, -1, [self.gate.wait.remote(GATE_TIMEOUT_S)], -1)
-        elif record.step == BLOCK_AT + 1 and self.blocked is not None and not self.killed:
-            # The victim has made its copy of the state after BLOCK_AT + 2 steps; its replica
-            # waits behind the blocked call: the newest the peer holds is still the one before.
+        elif self.blocked is not None and record.step == self.blocked_after and not self.killed:
+            # The victim has made its copy of the state after one more step; a replica of it
+            # would wait behind the blocked call: the newest the peer holds is still the one before.
             self.replica_at_kill = replica_steps(workers[self.peer], VICTIM)
             self.killed = True
             ray.kill(workers[VICTIM])
@@ -107,13 +111,13 @@ class BlockReplicationThenKill(Callback):
 
 
 def test_worker_killed_while_its_replica_is_sent_resumes_from_the_last_whole_replica(ray_session, tmp_path, data):
-    """memory_every=1: every step's state is copied and sent to the next rank. The victim is
-    killed after step BLOCK_AT + 1, its replica of that step's state not kept yet (held back
-    by the block), the one of the step before kept. The newest step every rank has in memory
-    is then BLOCK_AT + 1 (the survivors' own copies and the victim's kept replica): not the
-    newest step done, whose replica was incomplete. The checkpoint every 2 steps is not newer
-    (BLOCK_AT + 1 is even: a checkpoint step, and memory wins a tie; BLOCK_AT + 2 is odd), so
-    the recovery restores from memory, redoes one step and ends as the uninterrupted run."""
+    """memory_every=1, memory_shared=false: every step's state is copied, and sent to the next
+    rank whenever the last replica has arrived. The victim is killed one step after a
+    replicated step R whose replica was kept, with nothing newer kept (held back by the
+    block). The newest step every rank has in memory is then R: the survivors hold their own
+    copies of it (a replica's source stays held until the next replica arrives), the victim's
+    peer its replica; not the newest step done, whose replica never arrived. The recovery
+    restores from memory, redoes one step and ends as the uninterrupted run."""
     reference = Trainer(replication_config(tmp_path, "reference")).fit()
     gate = Gate.remote()
     hook = BlockReplicationThenKill(gate)
@@ -123,25 +127,26 @@ def test_worker_killed_while_its_replica_is_sent_resumes_from_the_last_whole_rep
         timed_out = hook.release()
         ray.kill(gate)
     assert timed_out is False, "the block ended by itself before the test released it"
-    # The block came after the replica of BLOCK_AT + 1 steps was kept, and held back the next one.
-    # The peer keeps the victim's two newest replicas: nothing newer than BLOCK_AT + 1 arrived.
-    assert max(hook.replica_before_block) == BLOCK_AT + 1
-    assert hook.killed and max(hook.replica_at_kill) == BLOCK_AT + 1, hook.replica_at_kill
+    # The block came after the replica of R steps was kept, and held back the next one.
+    # The peer keeps the victim's two newest replicas: nothing newer than R arrived.
+    replicated = hook.blocked_after
+    assert replicated is not None and max(hook.replica_before_block) == replicated
+    assert hook.killed and max(hook.replica_at_kill) == replicated, hook.replica_at_kill
 
     assert len(summary.recoveries) == 1
     event = summary.recoveries[0]
     print(f"\nrecovery: {event['source']} at step {event['resumed_step']}, {event['steps_lost']} steps redone, "
           f"recovered in {event['recovery_s']:.2f}s")
     assert event["workers_kept"] == 3 and event["workers_started"] == 1
-    # Not step BLOCK_AT + 2 (done by every worker, but the victim's replica of it never arrived),
-    # nor an older checkpoint: the last step whose replica was whole.
-    assert (event["source"], event["resumed_step"], event["steps_lost"]) == ("memory", BLOCK_AT + 1, 1), event
+    # Not step R + 1 (done by every worker, but the victim's replica of it never arrived): the
+    # last step whose replica was whole.
+    assert (event["source"], event["resumed_step"], event["steps_lost"]) == ("memory", replicated, 1), event
 
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert sorted(got) == list(range(STEPS))
     assert [got[s] for s in range(STEPS)] == pytest.approx([want[s] for s in range(STEPS)], rel=1e-5)
     # The redone step ran twice; the records after the resume start at the resumed step.
-    assert [r.step for r in summary.records].count(BLOCK_AT + 1) == 2
+    assert [r.step for r in summary.records].count(replicated) == 2
     assert summary.consumed_samples == reference.consumed_samples == STEPS * 8
     assert summary.controller_states[-1] == "FINISHED"
 

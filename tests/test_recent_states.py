@@ -1,15 +1,16 @@
 """A worker's states in memory (`RecentStates`) and who keeps whose replica (`peer_of`)."""
 import threading
+import time
 
 import torch
 
 from raypar.actors.memory import peer_of
-from raypar.runtime.recent_states import REPLICAS_KEPT, RecentStates, pack, unpack
+from raypar.runtime.recent_states import OWN_KEPT, OWN_SLOTS, REPLICAS_KEPT, RecentStates, pack, unpack
 
 
-def _take(recent: RecentStates, rank: int, steps_done: int, state: dict, on_complete=lambda s: None) -> bool:
+def _take(recent: RecentStates, rank: int, steps_done: int, state: dict, send=None) -> bool:
     taken = recent.begin(rank, steps_done, lambda: {k: v for k, v in state.items()}, {"rng": torch.tensor([rank])},
-                         cuda=False, on_complete=on_complete)
+                         cuda=False, send=send)
     recent.fence()  # as the next optimizer step does: the copy is made before the state changes
     return taken
 
@@ -48,8 +49,10 @@ def test_frozen_states_stay_as_they_were_until_cleared():
     release = threading.Event()
     assert _take(recent, 0, 1, {"w": torch.ones(2)})
     recent.settle()
-    assert _take(recent, 0, 2, {"w": torch.ones(2)}, on_complete=lambda s: release.wait(10))
-    recent.freeze()  # a failure: step 2's copy is whole but still being sent, a replica on its way
+    assert _take(recent, 0, 2, {"w": torch.ones(2)}, send=lambda s: release.wait(10))
+    while not recent.sending() or (0, 2) not in recent.inventory():
+        time.sleep(0.001)  # step 2's copy is whole and on its way to the peer
+    recent.freeze()  # a failure: a replica on its way, another arriving
     recent.keep_replica(1, 2, {"w": torch.ones(2)}, generation=1)
     release.set()
     recent.settle()
@@ -68,12 +71,11 @@ def test_copies_go_into_reserved_buffers():
 def test_buffers_allocated_ahead_are_taken_instead_of_new_ones():
     """A standby pins buffers before it knows its stage; its copies must go into them (a
     recovery that pins gigabytes holds up its own load and first step)."""
-    from raypar.runtime.recent_states import OWN_KEPT
     from raypar.runtime.snapshot import pinned_buffers
 
     recent = RecentStates()
     ahead = [pinned_buffers([(torch.Size([3]), torch.float32), (torch.Size([2, 2]), torch.bfloat16)], pin=False)
-             for _ in range(OWN_KEPT + 1)]
+             for _ in range(OWN_SLOTS)]
     recent.adopt(ahead)
     recent.reserve({"w": (torch.Size([3]), torch.float32), "b": (torch.Size([2, 2]), torch.bfloat16)}, pin=False)
     w = torch.full((3,), 5.0)
@@ -85,16 +87,39 @@ def test_buffers_allocated_ahead_are_taken_instead_of_new_ones():
     assert held["w"].data_ptr() in pointers and held["b"].data_ptr() in pointers
 
 
-def test_a_copy_due_while_the_last_is_still_being_sent_is_skipped():
+def test_copies_go_on_while_a_replica_is_on_its_way_which_keeps_its_source():
+    """A replica crosses nodes at its own pace: the copies after it are taken meanwhile (a lost
+    process's newest copy is what its recovery wants), a replica asked for meanwhile is not
+    sent, and the copy a replica was made from stays held, however old, until the next one
+    arrives (a lost node's ranks come back at their replicas' step: the others need theirs)."""
     recent = RecentStates()
-    release = threading.Event()
-    assert _take(recent, 0, 1, {"w": torch.ones(2)}, on_complete=lambda s: release.wait(10))
+    release, sent = threading.Event(), []
+
+    def send(step):
+        release.wait(10)
+        sent.append(step)
+
+    assert _take(recent, 0, 1, {"w": torch.ones(2)}, send=send)
     assert not recent.busy(1)  # the copy just begun: it usually ends within a step
-    assert recent.busy(2)  # a step later it is still being sent: the driver asks for no copy
-    assert not _take(recent, 0, 2, {"w": torch.ones(2)}) and recent.skipped == 1
+    for step in range(2, OWN_SLOTS + 3):
+        while recent.busy(step):
+            time.sleep(0.001)  # the last copy is being made
+        assert _take(recent, 0, step, {"w": torch.full((2,), float(step))}, send=send)
+        assert recent.sending()
+    assert recent.replica_skipped == OWN_SLOTS + 1 and recent.skipped == 0
+    while recent.busy(OWN_SLOTS + 3):
+        time.sleep(0.001)
+    newest = list(range(OWN_SLOTS, OWN_SLOTS + 3))
+    assert sorted(s for _, s in recent.inventory()) == [1, *newest]  # step 1's copy is on its way
     release.set()
     recent.settle()
-    assert not recent.busy(2)
+    assert sent == [1]
+    # Sent and held by the peer: still the copy every rank keeps for that step.
+    assert sorted(s for _, s in recent.inventory()) == [1, *newest]
+    assert _take(recent, 0, 50, {"w": torch.ones(2)}, send=send)
+    recent.settle()
+    assert sent == [1, 50]
+    assert sorted(s for _, s in recent.inventory()) == [*newest[1:], 50]  # step 50's replaced it
 
 
 def test_pack_and_unpack_keep_dtype_shape_and_values():
@@ -125,12 +150,15 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
     gib = 2**30
     nodes, states = ["n1", "n1", "n2", "n2"], [2 * gib] * 4
     peers = [peer_of(r, nodes) for r in range(4)]  # n1's ranks keep n2's replicas and back
-    check_host_memory(1, nodes, states, [24 * gib] * 4, peers)  # 2 x 4 x 2 + 2 x 2 x 2 = 24 GiB: fits
-    with pytest.raises(ConfigError, match=r"node n2 needs about 24.0 GiB for its 2 worker\(s\).*has 23.0 GiB "
+    # Per node: two workers' own copies, and the replicas of the other node's two workers.
+    need = (2 * OWN_SLOTS * 2 + 2 * REPLICAS_KEPT * 2) * gib
+    check_host_memory(1, nodes, states, [need] * 4, peers)
+    with pytest.raises(ConfigError, match=rf"node n2 needs about {need / gib:.1f} GiB for its 2 worker\(s\) "
+                                          rf"\({OWN_SLOTS} copies of each.*has {need / gib - 1:.1f} GiB "
                                           r"available; set elastic.memory_every=0"):
-        check_host_memory(1, nodes, states, [24 * gib, 24 * gib, 23 * gib, 28 * gib], peers)
+        check_host_memory(1, nodes, states, [need, need, need - gib, need + 4 * gib], peers)
     # One node: each worker keeps the next one's replica.
-    check_host_memory(1, ["n"] * 2, [gib] * 2, [12 * gib] * 2, [1, 0])
+    check_host_memory(1, ["n"] * 2, [gib] * 2, [2 * (OWN_SLOTS + REPLICAS_KEPT) * gib] * 2, [1, 0])
 
 
 def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():

@@ -69,6 +69,7 @@ class InFlightStep:
     save: bool  # its snapshot becomes a checkpoint
     stall: float  # seconds the loop waited on checkpointing before sending it
     memory: bool = False  # the workers keep their state after it in memory (elastic.memory_every)
+    replicate: bool = False  # and send that copy to their peers
 
 
 class Controller:
@@ -99,7 +100,8 @@ class Controller:
         self._memory_steps: dict[int, int] = {}
         self._memory_from: tuple[Grid, dict[int, int], int] | None = None
         self._memory_swept = False  # the first group has cleared the nodes' shared memory
-        self._memory_busy = False  # some worker was still copying or sending at its last report
+        self._memory_busy = False  # some worker was still copying at its last report
+        self._replica_busy = False  # some worker was still sending a replica at its last report
         self._next_plan: Plan | None = None
         self._max_step_done = 0
         self._step_started: float | None = None  # when the step being waited for could start (perf_counter)
@@ -295,10 +297,12 @@ class Controller:
         # Only when every worker can take the copy (the last reports): a step some worker skips
         # is whole nowhere, and workers that skip on their own would copy different steps.
         memory = e.enabled and e.memory_every > 0 and (step + 1) % e.memory_every == 0 and not self._memory_busy
+        # Replicas at their own pace (they cross nodes), the same steps on every worker.
+        replicate = memory and not self._replica_busy
         issued_at = time.perf_counter()
         refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following,
-                                     memory=memory)
-        return InFlightStep(step, consumed, issued_at, refs, save, stall, memory)
+                                     memory=memory, replicate=replicate)
+        return InFlightStep(step, consumed, issued_at, refs, save, stall, memory, replicate)
 
     def _batch_ids(self, order: SampleOrder, consumed: int) -> list[list[int]]:
         """Each worker's samples of the batch after `consumed` samples, by rank."""
@@ -314,6 +318,7 @@ class Controller:
         self._last_step_done = time.perf_counter()
         reports = self.group.complete_reports(reports)
         self._memory_busy = any(r.memory_busy for r in reports)
+        self._replica_busy = any(r.replica_busy for r in reports)
         # Each action's measured span, per worker: enough to redraw the step's timeline.
         events.add(sent.step, reports, self.grid)
         gbs = self.cfg.train.global_batch_size
@@ -337,7 +342,7 @@ class Controller:
             self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:
             self.saver.poll()
-        record.memory_copied = sent.memory
+        record.memory_copied, record.memory_replicated = sent.memory, sent.replicate
         if sent.memory:
             self._memory_steps[step + 1] = record.consumed_samples
             # Workers keep their three newest copies and replicas of a peer's, which may be many
@@ -547,7 +552,7 @@ class Controller:
                 self.log(f"raypar: {why}")
             raise error
         self.states.to(State.RECOVERING, repr(error)[:200])
-        self._memory_busy = False  # the workers' copies after the restore start afresh
+        self._memory_busy = self._replica_busy = False  # the workers' copies after the restore start afresh
         if self._memory_steps:
             # What the workers keep in memory is of this grid and these steps.
             self._memory_from = (self.grid, dict(self._memory_steps), self.group.memory.generation)

@@ -54,8 +54,10 @@ class StepRecord:
     mfu: float = 0.0
     schedule: str = ""  # the schedule the step ran (parallel.schedule=auto changes it)
     # The workers copied their state after this step into memory (elastic.memory_every); a
-    # copy is not asked for while the last one is still being made or replicated.
+    # copy is not asked for while the last one is still being made.
     memory_copied: bool = False
+    # And sent that copy to their peers; not asked for while the last one is still on its way.
+    memory_replicated: bool = False
 
 
 def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prepared, step_time_s: float,

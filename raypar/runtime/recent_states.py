@@ -33,9 +33,14 @@ from raypar.runtime.snapshot import StateSnapshot
 
 Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
-# Complete copies of its own state a worker keeps: a lost peer's replica may lag the
-# driver's newest complete step by one, and a survivor may have run one step past it.
+# Complete copies of its own state a worker keeps, the newest: a lost peer's own copy may
+# lag the driver's newest complete step by one, and a survivor may have run one step past it.
 OWN_KEPT = 3
+# Copies a worker holds at most: the newest, one being made, and the two its replicas come
+# from (the last one its peer holds, and the one on its way there), which replication at
+# its own pace leaves behind the newest: a lost node's ranks come back at the step of their
+# replicas, so the other ranks must still hold their own copies of it.
+OWN_SLOTS = OWN_KEPT + 3
 # Replicas a worker keeps of each peer's state: the newest may be of a step the driver has
 # not seen every report of when a failure comes (the peer ran ahead), so the one before it
 # stays too.
@@ -72,13 +77,18 @@ class RecentStates:
         self._lock = threading.Lock()
         self._rank: int | None = None
         self.shared = shared
-        self._slots = [f"own{i}" for i in range(OWN_KEPT + 1)]  # each copy's file in `shared`
+        self._slots = [f"own{i}" for i in range(OWN_SLOTS)]  # each copy's file in `shared`
         self._copies: list[StateSnapshot] = [
             StateSnapshot(allocate=functools.partial(shared.allocate, slot) if shared else None)
             for slot in self._slots]
         self._complete: dict[int, StateSnapshot] = {}  # step -> copy
         self._copying: StateSnapshot | None = None
-        self._sending: threading.Thread | None = None  # makes and sends the copy under way
+        self._making: threading.Thread | None = None  # makes the copy under way
+        self._sender: threading.Thread | None = None  # sends the last copy asked to be sent
+        self._sender_busy = False
+        # The steps of the copies replicas come from: the one being sent, the last one sent.
+        self._sending_step: int | None = None
+        self._sent_step: int | None = None
         self._cleared = 0  # `clear`s so far: a copy finished after one is dropped
         # rank -> step -> (its file in `shared` or None, tensors)
         self._replicas: dict[int, dict[int, tuple[str | None, dict[str, torch.Tensor]]]] = {}
@@ -88,24 +98,35 @@ class RecentStates:
         self._replica_files = 0  # replica files made so far (their names)
         self.generation = 0  # of the peers set (`StageWorker.set_memory_peer`): replicas name theirs
         self.skipped = 0  # copies not taken because the last one was still being made
+        self.replica_skipped = 0  # copies not sent because the last one was still being sent
 
     def begin(self, rank: int, step: int, collect: Callable[[], dict[str, torch.Tensor]],
-              taken: dict[str, torch.Tensor], cuda: bool, on_complete: Callable[[int], None]) -> bool:
+              taken: dict[str, torch.Tensor], cuda: bool,
+              send: Callable[[int], None] | None = None) -> bool:
         """Copy the state after `step` steps (`StateSnapshot.begin`'s arguments) on a thread of
-        its own; `on_complete(step)` runs on it once the copy is whole (it sends the replica).
-        Returns False (and copies nothing) while the last copy is still being made or sent, or
-        while the next copy's buffers are still being pinned."""
+        its own. With `send`, once the copy is whole `send(step)` runs on another thread (it
+        sends the replica to the peer and returns once the peer holds it), while the next
+        copies go on; the copy stays held until the next one sent has arrived.
+        Returns False (and copies nothing) while the last copy is still being made, or while
+        the next copy's buffers are still being pinned; a copy is not sent while the last one
+        is still being sent (`replica_skipped`)."""
         with self._lock:
             if self._copying is not None:
                 self.skipped += 1
                 return False
             if self._rank != rank:
                 self._complete.clear()
+                self._sending_step = self._sent_step = None
                 self._rank = rank
             free = self._next_copy()
-            if free.reserving():  # pinning its buffers (after a recovery): copying would wait
+            if free is None or free.reserving():  # pinning its buffers (after a recovery): copying would wait
                 self.skipped += 1
                 return False
+            if send is not None and self._sender_busy:
+                self.replica_skipped += 1
+                send = None
+            if send is not None:
+                self._sender_busy = True
             self._copying = free
             cleared, generation = self._cleared, self.generation
             slot = self._slots[self._copies.index(free)]
@@ -114,29 +135,53 @@ class RecentStates:
         free.begin(step, collect, taken, cuda)
 
         def finish() -> None:
+            whole = False
             try:
                 free.wait()
                 with self._lock:
                     if cleared != self._cleared:
                         return
                     self._complete[step] = free
-                    for old in sorted(self._complete)[:-OWN_KEPT]:
-                        del self._complete[old]
+                    if send is not None:
+                        self._sending_step = step
+                    self._evict()
                     if self.shared is not None:
                         self.shared.commit(slot, rank, step, generation, free.host_tensors())
-                # Before the next copy may start: it could reuse the buffers being sent.
-                on_complete(step)
+                    whole = True
             finally:
                 with self._lock:
                     self._copying = None
+                    if send is not None and not whole:
+                        self._sender_busy = False
+            if send is not None and whole:
+                self._sender = threading.Thread(target=self._send, args=(send, step, cleared), name="recent-send",
+                                                daemon=True)
+                self._sender.start()
 
-        self._sending = threading.Thread(target=finish, name="recent-state", daemon=True)
-        self._sending.start()
+        self._making = threading.Thread(target=finish, name="recent-state", daemon=True)
+        self._making.start()
         return True
 
-    def _next_copy(self) -> StateSnapshot:
+    def _send(self, send: Callable[[int], None], step: int, cleared: int) -> None:
+        """Send the copy of `step` to the peer; once it holds it, that copy replaces the last sent."""
+        try:
+            send(step)
+        finally:
+            with self._lock:
+                self._sender_busy = False
+                if cleared == self._cleared:
+                    self._sending_step, self._sent_step = None, step
+                    self._evict()
+
+    def _evict(self) -> None:
+        """Drop the complete copies that are neither the newest nor a replica's source (the lock held)."""
+        keep = set(sorted(self._complete)[-OWN_KEPT:]) | {self._sending_step, self._sent_step}
+        for old in [s for s in self._complete if s not in keep]:
+            del self._complete[old]
+
+    def _next_copy(self) -> StateSnapshot | None:
         """The copy the next state goes into: one that holds no complete state (the lock held)."""
-        return next(c for c in self._copies if c not in self._complete.values())
+        return next((c for c in self._copies if c not in self._complete.values()), None)
 
     def adopt(self, buffers: list[dict[str, torch.Tensor]]) -> None:
         """Host buffers allocated ahead, one set per copy (a standby pins them while it
@@ -164,19 +209,28 @@ class RecentStates:
 
     def busy(self, steps_done: int) -> bool:
         """Whether a copy asked for after the next step would likely be skipped: one of a state
-        before `steps_done` steps is still being made or sent (the copy just begun for
-        `steps_done` itself is not counted: it usually ends within a step), or the buffers are
-        still being pinned."""
+        before `steps_done` steps is still being made (the copy just begun for `steps_done`
+        itself is not counted: it usually ends within a step), or no buffers are free or
+        they are still being pinned."""
         with self._lock:
             if self._copying is not None:
                 return self._copying.step != steps_done
-            return self._next_copy().reserving()
+            free = self._next_copy()
+            return free is None or free.reserving()
+
+    def sending(self) -> bool:
+        """Whether a copy is still on its way to the peer: one asked to be sent now would not be."""
+        with self._lock:
+            return self._sender_busy
 
     def settle(self) -> None:
-        """Wait until the copy under way (if any) is made and sent."""
-        sending = self._sending
-        if sending is not None:
-            sending.join()
+        """Wait until the copy under way (if any) is made, and sent where it was to be."""
+        for thread in (self._making, self._sender):
+            if thread is not None:
+                thread.join()
+        sender = self._sender  # started by the copy just joined
+        if sender is not None:
+            sender.join()
 
     def fence(self) -> float:
         """Order the copy being made before what the current stream runs next (`StateSnapshot.fence`)."""
@@ -270,6 +324,7 @@ class RecentStates:
         with self._lock:
             self._cleared += 1
             self._complete.clear()
+            self._sending_step = self._sent_step = None
             if self.shared is not None:
                 for slot, _ in [*self._spare.values(), *(r for kept in self._replicas.values() for r in kept.values())]:
                     if slot is not None:

@@ -102,11 +102,14 @@ class StepReport:
     buckets_early: int = 0
     microbatches: int = 0  # forwards in this worker's program
     graphed_microbatches: int = 0  # of them, those whose forward and backward replayed CUDA graphs
-    # Still making or sending a copy of its state in memory (elastic.memory_every) from
-    # before this step when it reported: a copy asked for now would likely be skipped, so the
-    # driver asks for none until every worker can take one (copies of the same steps on
-    # every worker).
+    # Still making a copy of its state in memory (elastic.memory_every) from before this
+    # step when it reported: a copy asked for now would likely be skipped, so the driver asks
+    # for none until every worker can take one (copies of the same steps on every worker).
     memory_busy: bool = False
+    # Still sending a copy to its peer: the driver asks for no replica until every worker can
+    # send one (replicas of the same steps on every worker: a lost node's ranks come back at
+    # the step of their replicas, which the other ranks then hold too).
+    replica_busy: bool = False
     # False: a first stage reported without waiting for its device (`StageRuntime.report_tail`
     # brings the rest); until `complete_report`, it lacks its pending units, end_of_backward
     # and every value read from the device.

@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -706,10 +707,11 @@ class StageRuntime:
         self.snapshot.begin(step, collect, rng_states(self.rank, self.device), cuda=self.device.type == "cuda")
         return time.perf_counter() - t0
 
-    def keep_recent(self, step: int, recent: RecentStates, on_complete) -> float:
+    def keep_recent(self, step: int, recent: RecentStates, send: Callable[[int], None] | None = None) -> float:
         """Copy all this worker holds after step `step` (its RNG too) into `recent`, beside the
-        next step, whose optimizer waits for the copy on the device. The copy is valid once
-        the driver has every worker's report of the step. Returns the stall."""
+        next step, whose optimizer waits for the copy on the device; `send` replicates it once
+        whole (`RecentStates.begin`). The copy is valid once the driver has every worker's
+        report of the step. Returns the stall."""
         t0 = time.perf_counter()
         self._weights_gathered()
         self.recent = recent
@@ -720,7 +722,7 @@ class StageRuntime:
                                  emas=emas())
 
         recent.begin(self.rank, step + 1, collect, rng_states(self.rank, self.device), self.device.type == "cuda",
-                     on_complete)
+                     send)
         return time.perf_counter() - t0
 
     def memory_layout(self):
