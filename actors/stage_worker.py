@@ -204,7 +204,9 @@ class StageWorker:
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
-                "state_bytes": self.runtime.state_bytes(), "host_available_bytes": host_available_bytes(),
+                "state_bytes": self.runtime.state_bytes(),
+                "parameters": sum(p.numel() for p in self.runtime.model.parameters()),
+                "host_available_bytes": host_available_bytes(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "gpu": self.gpu_id, "backend": backend,
                 "kernels": kernel_status,
@@ -398,7 +400,8 @@ class StageWorker:
         from raypar.model import unstacked
         from raypar.runtime.state import writes
 
-        return [n for n, _ in unstacked(self.runtime.model) if writes(self.grid.coord(self.rank), n)]
+        sliced = self.runtime.optimizer.tp_slices
+        return [n for n, _ in unstacked(self.runtime.model) if writes(self.grid.coord(self.rank), n, n in sliced)]
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.runtime.load_parameters(tensors)

@@ -257,7 +257,8 @@ class LoadAtEnd(Callback):
         self.path, self.bytes = ok[-1].path, ok[-1].bytes
         t0 = time.perf_counter()
         manifest = read_manifest(self.path)
-        same = manifest.topology == {"dp": trainer.grid.dp, "pp": trainer.grid.pp, "ep": trainer.grid.ep}
+        g = trainer.grid
+        same = {"tp": 1, **manifest.topology} == {"dp": g.dp, "pp": g.pp, "ep": g.ep, "tp": g.tp}
         loaded = trainer.group.checkpoints.load(self.path, same_grid=same)
         self.load_s = time.perf_counter() - t0
         self.busiest_bytes = max(r["bytes"] for r in loaded)

@@ -70,6 +70,10 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas of the whole pipeline
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
+    # Tensor-parallel workers per stage cell, splitting its layers: attention by heads, the
+    # MLP column- then row-parallel, embedding, head and cross-entropy by vocabulary; norms
+    # replicated. Dense models; not yet with elastic recovery or a sharded optimizer
+    tp: int = 1
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
     # auto: the first two steps on each grid time F, I and W (with zb-h1), the schedules the
@@ -429,12 +433,34 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_tensor_parallel(cfg: Config) -> None:
+    """parallel.tp > 1: every split dimension divides, and nothing that does not work with tp yet is on."""
+    m, p = cfg.model, cfg.parallel
+    split = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads, "model.hidden_dim": m.hidden_dim,
+             "model.vocab_size": m.vocab_size}
+    for key, n in split.items():
+        if n % p.tp:
+            fits = [k for k in _divisors(n) if k <= p.tp]
+            raise ConfigError(f"{key}={n} is not divisible by parallel.tp={p.tp} (tensor parallelism splits it); "
+                              f"parallel.tp={fits[-1]} would work, or a {key} that is a multiple of {p.tp}")
+    # Not built yet for tensor-parallel stages: each would save or restore wrong tensors.
+    off = {"model.n_experts": (m.n_experts, "0 (MoE stages keep ep, without tp)"),
+           "parallel.shard_optimizer": (p.shard_optimizer, "false"),
+           "elastic.enabled": (cfg.elastic.enabled, "false"),
+           "model.init_from": (m.init_from, "null")}
+    on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
+    if on:
+        raise ConfigError(f"parallel.tp={p.tp}: tensor-parallel stages do not work yet with " + ", ".join(on)
+                          + "; or use parallel.tp=1")
+
+
 def validate(cfg: Config) -> None:
     m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.runtime
     positive = {
         "model.vocab_size": m.vocab_size, "model.dim": m.dim, "model.n_layers": m.n_layers,
         "model.n_heads": m.n_heads, "model.max_seq_len": m.max_seq_len,
-        "parallel.dp": p.dp, "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.microbatches": p.microbatches,
+        "parallel.dp": p.dp, "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.tp": p.tp,
+        "parallel.microbatches": p.microbatches,
         "train.global_batch_size": t.global_batch_size, "data.seq_len": d.seq_len,
         "data.synthetic_samples": d.synthetic_samples, "runtime.log_every": r.log_every,
         "runtime.moe_chunks": r.moe_chunks,
@@ -519,6 +545,8 @@ def validate(cfg: Config) -> None:
             f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}; "
             f"parallel.ep={fits[-1]} would work (the largest divisor of n_experts not above {p.ep})"
         )
+    if p.tp > 1:
+        _check_tensor_parallel(cfg)
     if p.pp > m.n_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "

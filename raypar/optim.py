@@ -18,6 +18,7 @@ from raypar.config import TrainConfig
 from raypar.host_ema import HostEma
 from raypar.kernels import accumulate_, ema_update_
 from raypar.model.experts import named_slices
+from raypar.model.tensor_parallel import tp_slices
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -52,6 +53,8 @@ class MasterOptimizer:
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # What checkpoints call each parameter's pieces (stacked experts: one per expert).
         self.slices = named_slices(module)
+        # The parameters this worker holds a tensor-parallel slice of: (slice, global shape).
+        self.tp_slices = tp_slices(module)
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
         if self.mixed:
             self.master = [p.detach().float().clone() for _, p in self.named_params]

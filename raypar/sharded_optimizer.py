@@ -27,6 +27,7 @@ from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.kernels import accumulate_
 from raypar.model.experts import named_slices
+from raypar.model.tensor_parallel import tp_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
 from raypar.runtime.comm import wait_for
 
@@ -253,6 +254,7 @@ class ShardedOptimizer(MasterOptimizer):
         self.cfg, self.timeout = cfg, timeout
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.slices = named_slices(module)
+        self.tp_slices = tp_slices(module)  # (parallel.tp with a sharded optimizer is refused at config)
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
         by_family: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for n, p in self.named_params:

@@ -73,7 +73,7 @@ def start_group(cfg: Config, dataset: TokenDataset):
 def start_group_on(cfg: Config, dataset: TokenDataset, device: str):
     from raypar.actors.worker_group import WorkerGroup
 
-    grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep)
+    grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.tp)
     resources = WorkerResources(device, cfg.runtime.cpus_per_worker, 1 if device == "cuda" else 0)
     return WorkerGroup(cfg, grid, resources, str(dataset.path))
 

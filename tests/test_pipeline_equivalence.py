@@ -28,9 +28,10 @@ GRIDS = {
 }
 
 
-def run_plan(tmp_path, sections: dict, plan: list[tuple[str, int]], check_step=None) -> None:
+def run_plan(tmp_path, sections: dict, plan: list[tuple[str, int]], check_step=None, check_group=None) -> None:
     """Every (schedule, micro-batches) step of `plan` on a worker group and on the reference,
-    matched (`assert_step_matches`); then `check_step(cfg, step, schedule, m, reports)`."""
+    matched (`assert_step_matches`); then `check_step(cfg, step, schedule, m, reports)`.
+    `check_group(group, ref)` looks at the group once it has started."""
     cfg = tiny_config(tmp_path, **sections)
     dataset = synthetic_data(tmp_path, cfg)
     order = SampleOrder(len(dataset), seed=cfg.train.seed)
@@ -38,6 +39,8 @@ def run_plan(tmp_path, sections: dict, plan: list[tuple[str, int]], check_step=N
     tol = Tolerances(ref)
     group = start_group(cfg, dataset)
     try:
+        if check_group is not None:
+            check_group(group, ref)
         for step, (schedule, m) in enumerate(plan):
             reports, _ = assert_step_matches(group, ref, dataset, order, step, schedule, m, tol)
             if check_step is not None:

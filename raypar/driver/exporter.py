@@ -418,5 +418,5 @@ def build_exporter(cfg: Config, *, device_name: str | None = None, peak_flops: f
     return MetricsExporter(
         r.metrics, run_name=r.run_name, host=r.metrics_host, port=r.metrics_port,
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-        n_devices=cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.ep, peak_flops=peak_flops,
+        n_devices=cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.ep * cfg.parallel.tp, peak_flops=peak_flops,
     )

@@ -51,14 +51,14 @@ def plan_grid(cfg: Config, workers: int, min_workers: int = 1) -> Plan | None:
     p = cfg.parallel
     mb = cfg.microbatch_size
     for dp in range(p.dp, 0, -1):
-        grid = Grid(dp, p.pp, p.ep)
+        grid = Grid(dp, p.pp, p.ep, p.tp)
         if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
             return plan
     candidates = []
     for pp in range(1, cfg.model.n_layers + 1):
         for ep in range(1, max(cfg.model.n_experts, 1) + 1):
             for dp in range(1, p.dp + 1):
-                grid = Grid(dp, pp, ep)
+                grid = Grid(dp, pp, ep, p.tp)
                 if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
                     candidates.append(plan)
     if not candidates:
@@ -70,7 +70,7 @@ def grow_plan(cfg: Config, grid: Grid, slots: int) -> Plan | None:
     """A larger grid to grow to, when `slots` workers fit (the running grid's included) and
     the run is below its configured grid; else None."""
     e = cfg.elastic
-    if not (e.enabled and e.grow) or grid == Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep):
+    if not (e.enabled and e.grow) or grid == Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.tp):
         return None
     plan = plan_grid(cfg, slots, e.min_workers)
     return plan if plan is not None and plan.grid.size > grid.size else None

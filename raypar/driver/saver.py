@@ -122,7 +122,7 @@ class Saver:
         # Partial directories of failed saves go; the one about to be written stays.
         self._workers.clean_before(str(self.root), str(checkpoint_dir(self.root, steps_done)))
         meta = {"consumed_samples": consumed, "config": cfg.to_dict(),
-                "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep},
+                "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep, "tp": grid.tp},
                 "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
         ref = self._workers.save(str(self.root), steps_done, meta)
         self._pending = (steps_done, ref, time.perf_counter())
@@ -256,8 +256,8 @@ class Saver:
                 f"{path} was written for another model: "
                 + ", ".join(f"model.{k}={old!r} there, {new!r} here" for k, (old, new) in changed.items())
             )
-        topology = {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep}
-        loaded = self._workers.load(str(path), same_grid=manifest.topology == topology)
+        topology = {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep, "tp": grid.tp}
+        loaded = self._workers.load(str(path), same_grid={"tp": 1, **manifest.topology} == topology)
         self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
                  f"saved on grid {manifest.topology})")
         return Resumed(manifest.step, manifest.consumed_samples, path, loaded, time.perf_counter() - t0)

@@ -9,6 +9,7 @@ from torch import nn
 from raypar.config import ModelConfig
 from raypar.schedule.layout import Layout
 from raypar.model.experts import unstacked
+from raypar.model.tensor_parallel import TensorParallel
 from raypar.model.transformer import Transformer, head_flops, init_weights, layer_flops
 
 __all__ = ["PartitionError", "split_layers", "balanced_layers", "stage_layers", "build_stage", "stage_param_names",
@@ -116,13 +117,14 @@ def stage_layers(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int
 
 
 def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None,
-                  ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None) -> Transformer:
+                  ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
+                  tp: TensorParallel | None = None) -> Transformer:
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
     if layout is None or layout.n_chunks == 1:
         ranges = split_layers(cfg.n_layers, n_stages, stage_layers(cfg, n_stages, layers_per_stage))
         return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
-                           ep_rank=ep_rank, ep_size=ep_size)
+                           ep_rank=ep_rank, ep_size=ep_size, tp=tp)
     if layout.n_actors != n_stages:
         raise PartitionError(f"a layout of {layout.n_actors} stage(s) for a {n_stages}-stage pipeline")
     # An interleaved schedule cuts the model into stages x chunks virtual stages (layers_per_stage
@@ -133,7 +135,7 @@ def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage:
     return Transformer(cfg, chunks=[ranges[layout.virtual(stage, c)] for c in chunks],
                        embed_chunk=next((c for c in chunks if layout.is_first(stage, c)), None),
                        head_chunk=next((c for c in chunks if layout.is_last(stage, c)), None),
-                       ep_rank=ep_rank, ep_size=ep_size)
+                       ep_rank=ep_rank, ep_size=ep_size, tp=tp)
 
 
 def build_stage(
@@ -147,6 +149,7 @@ def build_stage(
     ep_size: int = 1,
     init: bool = True,
     layout: Layout | None = None,
+    tp: TensorParallel | None = None,
 ) -> Transformer:
     """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
 
@@ -157,9 +160,10 @@ def build_stage(
     parameter is loaded next (a checkpoint): drawing them on the CPU costs seconds.
     `layout`: an interleaved schedule's chunks (`raypar.schedule.layout`); the stage then
     holds one run of layers per chunk, `layers_per_stage` counting each virtual stage's.
+    `tp`: this worker's slice of the stage's layers (tensor parallelism).
     """
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout, tp)
     _allocate(model, torch.device(device if device is not None else "cpu"))
     model.reset_buffers()
     if init:

@@ -1,8 +1,8 @@
 """Tensor parallelism inside a stage: the pieces a layer split over `tp` ranks is made of.
 
 Megatron's scheme, written for raypar's layers (issue 30). `Transformer(tp=TensorParallel(
-rank, size))` builds a stage's slice; the grid, the runtime and checkpoints do not split
-stages over tp yet.
+rank, size))` builds a stage's slice; the grid's `tp` dimension runs one worker per slice
+(`parallel.tp`); checkpoints hold each slice as a piece of its global tensor.
 
 - a *column-parallel* linear holds a slice of the output features: its input must be the
   whole activation on every rank (`to_tensor_parallel`: identity forward, gradients summed
@@ -219,3 +219,24 @@ def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, first: int, group) 
     mine = (tokens >= first) & (tokens < first + weight.shape[0])
     rows = torch.nn.functional.embedding(torch.where(mine, tokens - first, 0), weight)
     return from_tensor_parallel(rows * mine.unsqueeze(-1).to(rows.dtype), group)
+
+
+def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]], group) -> dict[str, Tensor]:
+    """`tensors` by global name, this rank's slices joined with the other tp ranks' into whole
+    tensors (a collective over `group`: every rank calls it with the same names in the same
+    order); tensors not in `slices` are whole already."""
+    out = {}
+    for name, t in tensors.items():
+        held = slices.get(name)
+        if held is None or held[0].dim is None or group is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(held[0].parts)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        out[name] = torch.cat(parts, dim=held[0].dim)
+    return out
+
+
+def slice_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]]) -> dict[str, Tensor]:
+    """Whole tensors by global name, cut to this rank's slices where it holds slices."""
+    return {name: slices[name][0].of(t) if name in slices else t for name, t in tensors.items()}

@@ -18,6 +18,7 @@ class StageGroups:
     expert_grad: object | None  # replicas of this stage's experts (dp): all-reduce
     ep: object | None  # this stage's expert-parallel group: token all-to-all
     line: list[int]  # global rank of each stage of this worker's pipeline (p2p peers)
+    tp: object | None = None  # this stage cell's tensor-parallel group: the split layers' collectives
     # The pipeline's channels this stage takes part in, each a communicator of its own (so
     # a send waiting for its receiver holds up nothing on another channel), by (kind, sending
     # stage, receiving stage): activations ("F") go along the layout's links, gradients ("B")
@@ -60,16 +61,18 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
             if rank in ranks:
                 mine[kind] = g
 
+    tps = range(grid.tp)
     walk("replica", [grid.replica_ranks(d) for d in range(grid.dp)])
-    walk("dense_grad", [grid.dense_grad_ranks(s) for s in range(grid.pp)])
-    walk("expert_grad", [grid.expert_grad_ranks(s, e) for s in range(grid.pp) for e in range(grid.ep)])
-    walk("ep", [grid.ep_ranks(d, s) for d in range(grid.dp) for s in range(grid.pp)])
-    line = grid.pipeline_ranks(me.dp, me.ep)
+    walk("dense_grad", [grid.dense_grad_ranks(s, t) for s in range(grid.pp) for t in tps])
+    walk("expert_grad", [grid.expert_grad_ranks(s, e, t) for s in range(grid.pp) for e in range(grid.ep) for t in tps])
+    walk("ep", [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps])
+    walk("tp", [grid.tp_ranks(d, s, e) for d in range(grid.dp) for s in range(grid.pp) for e in range(grid.ep)])
+    line = grid.pipeline_ranks(me.dp, me.ep, me.tp)
     links = (layout or single(grid.pp)).forward_links()
     channels: dict[tuple[str, int, int], object] = {}
     for d in range(grid.dp):
-        for e in range(grid.ep):
-            ranks = grid.pipeline_ranks(d, e)
+        for e, t in ((e, t) for e in range(grid.ep) for t in tps):
+            ranks = grid.pipeline_ranks(d, e, t)
             for a, b in links:
                 for kind, src, dst in (("F", a, b), ("B", b, a)):
                     # Always a group of its own, also when the pair is the whole world.
@@ -83,6 +86,7 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
         ep=mine.get("ep"),
         line=line,
         channels=channels,
+        tp=mine.get("tp"),
     )
 
 

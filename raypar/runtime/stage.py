@@ -28,6 +28,7 @@ from raypar.data.prefetch import Prefetcher
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.moe import MoE
+from raypar.model.tensor_parallel import TensorParallel, gather_whole, slice_whole, tp_slices
 from raypar.model.split_backward import (compute_weight_grads, drop_weight_grads, pending_tensors, set_split_backward,
                                          weight_grads_deferred)
 from raypar.optim import MasterOptimizer
@@ -142,9 +143,17 @@ class StageRuntime:
         self.timeout = timedelta(seconds=cfg.runtime.collective_timeout_s)
         t0 = time.perf_counter()
 
+        tp = None
+        if grid.tp > 1:
+            tp = TensorParallel(self.coord.tp, grid.tp)
+            tp.group = groups.tp
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
-                                 init=init_weights, layout=self.layout)
+                                 init=init_weights, layout=self.layout, tp=tp)
+        # By parameter name, this worker's tp slices; the parameters every tp rank holds whole
+        # (norms) are counted once in the gradient norm.
+        self._tp_sliced = tp_slices(self.model) if tp else {}
+        self._tp_whole = {name for name, _ in self.model.named_parameters() if name not in self._tp_sliced} if tp else set()
         self.moe_layers = {name.split(".")[1]: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
         for moe in self.moe_layers.values():
             moe.ep_group = groups.ep
@@ -660,7 +669,7 @@ class StageRuntime:
             sq = self._all_reduce_grads()
         captured = None
         if capture:
-            captured = {n: g.detach().float().cpu().clone() for n, g in self.optimizer.named_grads().items()}
+            captured = {n: g.detach().float().cpu().clone() for n, g in self._whole(self.optimizer.named_grads()).items()}
         return sq.sqrt(), captured
 
     def _all_reduce_grads(self) -> torch.Tensor:
@@ -674,8 +683,17 @@ class StageRuntime:
         all_reduce_(expert, self.groups.expert_grad, self.timeout)
         if expert and self.grid.data_parallel_size > 1:
             torch._foreach_div_(expert, float(self.grid.data_parallel_size))
-        # Dense gradients are equal on the ep ranks of a stage: count them once.
-        sq = (self.optimizer.local_sq_norm(dense) / self.grid.ep + self.optimizer.local_sq_norm(expert)).to(self.device)
+        # Dense gradients are equal on the ep ranks of a stage: count them once. So are those of
+        # the parameters every tp rank holds whole (norms) on the tp ranks of a cell.
+        if self._tp_whole:
+            whole = [g for (name, _), g in zip(self.optimizer.named_params, self.optimizer.grads())
+                     if name in self._tp_whole]
+            sliced = [g for (name, _), g in zip(self.optimizer.named_params, self.optimizer.grads())
+                      if name not in self._tp_whole]
+            dense_sq = self.optimizer.local_sq_norm(sliced) + self.optimizer.local_sq_norm(whole) / self.grid.tp
+        else:
+            dense_sq = self.optimizer.local_sq_norm(dense)
+        sq = (dense_sq / self.grid.ep + self.optimizer.local_sq_norm(expert)).to(self.device)
         all_reduce_([sq], self.groups.replica, self.timeout)
         return sq
 
@@ -756,8 +774,13 @@ class StageRuntime:
                           read_flat=read_flat)
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Overwrite parameters by global name from whole tensors (a tp rank takes its slices)."""
         self._drop_ahead()
-        return self.optimizer.load_(tensors)
+        return self.optimizer.load_(slice_whole(tensors, self._tp_sliced))
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors by parameter name, tp slices gathered whole (a collective of the cell's tp ranks)."""
+        return gather_whole(tensors, self._tp_sliced, self.groups.tp) if self._tp_sliced else tensors
 
     def forget_collectives(self) -> None:
         """Drop the collectives the optimizer queued and did not wait for (a failed step's)."""
@@ -772,4 +795,4 @@ class StageRuntime:
 
     def parameters_cpu(self) -> dict[str, torch.Tensor]:
         self._weights_gathered()
-        return {n: t.detach().float().cpu().clone() for n, t in unstacked(self.model)}
+        return {n: t.detach().float().cpu().clone() for n, t in self._whole(dict(unstacked(self.model))).items()}

@@ -31,8 +31,10 @@ from raypar.topology import Coord, Grid
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
-def writes(coord: Coord, name: str) -> bool:
-    return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name))
+def writes(coord: Coord, name: str, sliced: bool = False) -> bool:
+    """Whether the worker at `coord` writes `name`: of replicas, one; of tensor-parallel
+    slices (`sliced`), every tp worker its own; of what every tp worker holds whole, tp 0."""
+    return coord.dp == 0 and (coord.ep == 0 or is_expert_param(name)) and (coord.tp == 0 or sliced)
 
 
 def _pieces(optimizer: MasterOptimizer, emas: list[torch.Tensor] | None = None):
@@ -51,7 +53,7 @@ def _pieces(optimizer: MasterOptimizer, emas: list[torch.Tensor] | None = None):
 def _written(optimizer: MasterOptimizer, coord: Coord | None, emas: list[torch.Tensor] | None = None):
     """`_pieces` this worker writes (all when coord is None)."""
     for piece in _pieces(optimizer, emas):
-        if coord is None or writes(coord, piece[0]):
+        if coord is None or writes(coord, piece[0], piece[0] in optimizer.tp_slices):
             yield piece
 
 
@@ -75,7 +77,8 @@ def state_tensors(model: torch.nn.Module, optimizer: MasterOptimizer, coord: Coo
             out[f"master.{name}"] = master.detach()
         if save_optimizer:
             for key in ADAM_STATE:
-                if key in state:
+                # The step count is one scalar for all of a sliced tensor: tp 0 writes it.
+                if key in state and not (key == "step" and coord is not None and coord.tp > 0):
                     out[f"optim.{key}.{name}"] = state[key].detach().reshape(state[key].shape)
     if with_rng:
         out.update(rng_states(rank, device))
@@ -116,12 +119,28 @@ def _key_shapes(optimizer: MasterOptimizer) -> dict[str, torch.Size]:
     return {key: view.shape for key, view in _named_views(optimizer)}
 
 
+def _param_of(name: str) -> str | None:
+    """The parameter a tensor of the state is shaped like (None: a step count, an RNG state)."""
+    if name.startswith(("optim.step.", "rng.")):
+        return None
+    for prefix in ("master.", "ema.", "optim.exp_avg.", "optim.exp_avg_sq."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
 def checkpoint_pieces(optimizer: MasterOptimizer, tensors: dict[str, torch.Tensor]):
     """(name, tensor, offsets, global shape) of each tensor of a snapshot for `write_shard`:
-    whole tensors at the origin, a flat piece as the boxes its range covers."""
+    whole tensors at the origin, a tensor-parallel slice where it lies in the global tensor,
+    a flat piece as the boxes its range covers."""
     pieces, shapes = [], _key_shapes(optimizer)
     for key, t in tensors.items():
         name, start = split_piece_name(key)
+        held = optimizer.tp_slices.get(_param_of(name))
+        if start is None and held is not None:
+            part, whole = held
+            pieces.append((name, t, part.offset(whole), whole))
+            continue
         if start is None:
             pieces.append((name, t, (0,) * t.ndim, tuple(t.shape)))
             continue
@@ -223,6 +242,8 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     elements in row-major order (`CheckpointReader.read_flat`, `FlatPieces.read_flat`).
     """
     optimizer.settle_ema()
+    if optimizer.tp_slices:
+        read = _slice_reads(read, optimizer.tp_slices)
     if isinstance(optimizer, ShardedOptimizer):
         missing = _load_sharded(optimizer, read, read_flat, names, threads)
         _load_rng(read, names, rank, device)
@@ -256,6 +277,16 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
                     state[key].copy_(next(values).reshape(state[key].shape))
     _load_rng(read, names, rank, device)
     return missing_optim
+
+
+def _slice_reads(read, slices: dict) -> Callable[[str], torch.Tensor]:
+    """`read` whole tensors, cut to this worker's tensor-parallel slice where it holds one
+    (a checkpoint of any tp loads: it stores the global tensors)."""
+    def read_slice(name: str) -> torch.Tensor:
+        held = slices.get(_param_of(name))
+        return read(name) if held is None else held[0].of(read(name))
+
+    return read_slice
 
 
 def _load_rng(read, names: set[str], rank: int | None, device: torch.device) -> None:
