@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from raypar import host_wait, kernels
-from raypar.checkpoint.pieces import FlatPieces, split_piece_name
+from raypar.checkpoint.pieces import FlatPieces
 from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.data.source import open_corpus
@@ -22,7 +22,8 @@ from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
-from raypar.runtime.recent_states import OWN_SLOTS, RecentStates, pack, unpack
+from raypar.runtime.recent_states import OWN_SLOTS, RecentStates, pack, tensor_name, unpack
+from raypar.model.tensor_parallel import join_tp_pieces
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -355,7 +356,7 @@ class StageWorker:
     def export_memory(self, rank: int, steps_done: int, generation: int | None = None) -> tuple[list[str], list]:
         """The names of `rank`'s state after `steps_done` steps, and it in the object store."""
         tensors = self.recent.tensors(rank, steps_done, generation)
-        return sorted({split_piece_name(key)[0] for key in tensors}), [ray.put(pack(tensors))]
+        return sorted({tensor_name(key) for key in tensors}), [ray.put(pack(tensors))]
 
     def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool) -> dict:
         """Load this worker's state from `export_memory` results, fetching only the sources
@@ -365,7 +366,9 @@ class StageWorker:
         for names, refs in sources:
             if needed.intersection(names):
                 tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
-        held = FlatPieces(tensors)  # a sharded optimizer's shares come in flat pieces
+        # A sharded optimizer's shares come in flat pieces; tp slices are joined whole (each
+        # worker then takes its own slice, on any tp).
+        held = FlatPieces(join_tp_pieces(tensors))
         self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
         return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 

@@ -240,3 +240,41 @@ def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tupl
 def slice_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]]) -> dict[str, Tensor]:
     """Whole tensors by global name, cut to this rank's slices where it holds slices."""
     return {name: slices[name][0].of(t) if name in slices else t for name, t in tensors.items()}
+
+
+# A tensor-parallel slice held in memory under its global tensor's name (a copy in memory,
+# `elastic.memory_every`): `<name>#tp<dim>.<index>.<parts>`.
+_TP_SEP = "#tp"
+
+
+def tp_piece_name(name: str, part: Slice) -> str:
+    return f"{name}{_TP_SEP}{part.dim}.{part.index}.{part.parts}"
+
+
+def split_tp_piece_name(key: str) -> tuple[str, Slice | None]:
+    """(global name, slice) of a `tp_piece_name`; (key, None) for a whole tensor's name."""
+    name, sep, spec = key.rpartition(_TP_SEP)
+    if not sep:
+        return key, None
+    dim, index, parts = (int(v) for v in spec.split("."))
+    return name, Slice(dim, index, parts)
+
+
+def join_tp_pieces(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` with every tensor held as tp slices (`tp_piece_name`) joined whole; a slice
+    whose siblings are not all there is an error naming what is missing."""
+    out: dict[str, Tensor] = {}
+    pieces: dict[str, dict[int, tuple[Slice, Tensor]]] = {}
+    for key, t in tensors.items():
+        name, part = split_tp_piece_name(key)
+        if part is None:
+            out[key] = t
+        else:
+            pieces.setdefault(name, {})[part.index] = (part, t)
+    for name, held in pieces.items():
+        part = next(iter(held.values()))[0]
+        missing = sorted(set(range(part.parts)) - set(held))
+        if missing:
+            raise KeyError(f"{name}: tensor-parallel slices {missing} of {part.parts} are not among the tensors given")
+        out[name] = torch.cat([held[i][1] for i in range(part.parts)], dim=part.dim)
+    return out

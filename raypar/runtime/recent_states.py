@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from raypar.checkpoint.pieces import split_piece_name
+from raypar.model.tensor_parallel import split_tp_piece_name
 from raypar.runtime.shared_copies import SharedCopies
 from raypar.runtime.snapshot import StateSnapshot
 
@@ -61,7 +62,12 @@ def unpack(packed: Packed, names: set[str] | None = None, copy: bool = True) -> 
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(np.array(raw, copy=copy)).view(getattr(torch, dtype)).reshape(shape)
                 for name, (dtype, shape, raw) in packed.items()
-                if names is None or split_piece_name(name)[0] in names}
+                if names is None or tensor_name(name) in names}
+
+
+def tensor_name(key: str) -> str:
+    """The global tensor a key of a copy holds (all of, a flat piece of, or a tp slice of)."""
+    return split_piece_name(split_tp_piece_name(key)[0])[0]
 
 
 class RecentStates:

@@ -43,7 +43,7 @@ from raypar.runtime.p2p import Inflight, connect_channels
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import (checkpoint_pieces, load_state, names_to_load, rng_states, state_layout,
+from raypar.runtime.state import (checkpoint_pieces, tp_named, load_state, names_to_load, rng_states, state_layout,
                                   state_tensors, takes_snapshots)
 from raypar.schedule import Action, Op, comm_groups, run_layout
 from raypar.topology import Grid
@@ -736,8 +736,8 @@ class StageRuntime:
         emas = self.optimizer.ema_for_snapshot()
 
         def collect() -> dict[str, torch.Tensor]:
-            return state_tensors(self.model, self.optimizer, None, self.rank, self.device, with_rng=False,
-                                 emas=emas())
+            return tp_named(state_tensors(self.model, self.optimizer, None, self.rank, self.device, with_rng=False,
+                                          emas=emas()), self.optimizer.tp_slices)
 
         recent.begin(self.rank, step + 1, collect, rng_states(self.rank, self.device), self.device.type == "cuda",
                      send)
@@ -745,7 +745,7 @@ class StageRuntime:
 
     def memory_layout(self):
         """Shape and dtype of what `keep_recent` copies (RNG states aside)."""
-        return state_layout(self.optimizer, None)
+        return tp_named(state_layout(self.optimizer, None), self.optimizer.tp_slices)
 
     def state_bytes(self) -> int:
         """Bytes of all the state this worker holds (what `keep_recent` copies)."""

@@ -23,6 +23,7 @@ from raypar.checkpoint.pieces import flat_range_boxes, piece_name, split_piece_n
 from raypar.config import Config
 from raypar.model import stage_param_shapes
 from raypar.schedule import run_layout
+from raypar.model.tensor_parallel import tp_piece_name
 from raypar.optim import MasterOptimizer, is_expert_param
 from raypar.runtime.snapshot import Layout
 from raypar.sharded_optimizer import ShardedOptimizer
@@ -277,6 +278,19 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
                     state[key].copy_(next(values).reshape(state[key].shape))
     _load_rng(read, names, rank, device)
     return missing_optim
+
+
+def tp_named(tensors: dict, slices: dict) -> dict:
+    """`tensors` (or a layout) of a worker's whole state with each tensor-parallel slice
+    named as such (`tp_piece_name`): a copy in memory holds every tp worker's slices of one
+    tensor side by side, and a restore joins them (`join_tp_pieces`)."""
+    if not slices:
+        return tensors
+    out = {}
+    for key, value in tensors.items():
+        held = slices.get(_param_of(key))
+        out[key if held is None else tp_piece_name(key, held[0])] = value
+    return out
 
 
 def _slice_reads(read, slices: dict) -> Callable[[str], torch.Tensor]:
