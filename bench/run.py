@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench import baselines, checkpoint, elastic, moe, scale
+from bench import baselines, checkpoint, elastic, moe, scale, tensor_parallel
 from bench import kernels as kernels_bench
 from bench import pipeline as pipeline_bench
 from raypar.driver.callbacks import Callback
@@ -59,7 +59,8 @@ QUICK = ["kernels", "moe", "baselines", "checkpoint", "pipeline"]
 # Share of the budget held back for each suite still to come: a suite may use whatever the
 # earlier ones left, less these, so one slow or hung suite cannot starve the rest. The
 # pipeline suite, last and already measured in part, gets only what is left.
-RESERVE = {"kernels": 0.03, "moe": 0.12, "baselines": 0.15, "checkpoint": 0.15, "elastic": 0.18, "pipeline": 0.0, "scale": 0.0}
+RESERVE = {"kernels": 0.03, "moe": 0.12, "baselines": 0.15, "checkpoint": 0.15, "elastic": 0.18, "pipeline": 0.0, "scale": 0.0,
+           "tp": 0.0}
 # Seconds for the suites, inside one device call of ~9 (all) or ~3 (quick) minutes: the rest
 # is Ray's start, the environment, and a run that overruns its suite's deadline (a started
 # Trainer finishes its launch and at least 2 steps).
@@ -229,10 +230,10 @@ class PipelineSuite:
 
 
 SUITES: dict[str, Any] = {"pipeline": PipelineSuite, "moe": moe, "checkpoint": checkpoint, "elastic": elastic,
-                          "baselines": baselines, "scale": scale,
+                          "baselines": baselines, "scale": scale, "tp": tensor_parallel,
                           "kernels": kernels_bench}
 # Suites that run only when named: they need more GPUs than `all` is for.
-EXTRA = ["scale"]
+EXTRA = ["scale", "tp"]
 
 
 # -- environment, results ------------------------------------------------------------------

@@ -96,3 +96,18 @@ def test_gpu_sizes(tmp_path, family):
     other_cfgs = [scale.config(ctx, "gpu", 12 - family, g, label=str(g)) for g in other]
     for grid, cfg in zip(grids, other_cfgs):
         assert max(scale.params_per_gpu(cfg)) == pytest.approx(per_gpu[grid], rel=0.1)
+
+
+def test_tensor_parallel_suite_runs_on_cpu_and_only_when_named(tmp_path):
+    """bench/tensor_parallel.py on CPU: tp=2 against tp=1 with the split layers' efficiency;
+    the 4-GPU rows say why they did not run. Not part of `all`."""
+    from bench.run import suite_names
+
+    assert "tp" not in suite_names("all") and suite_names("tp") == ["tp"]
+    out, results = run_bench_cpu("tp", tmp_path, timeout=300)
+    rows = {r["label"]: r for r in results["suites"]["tp"]["rows"]}
+    assert rows["tp=1, 1 GPU"]["tokens_per_s"] > 0 and rows["tp=2, 2 GPUs"]["config"]["parallel"]["tp"] == 2
+    assert rows["tp=2, 2 GPUs"]["tp_efficiency"] == pytest.approx(
+        rows["tp=2, 2 GPUs"]["tokens_per_s"] / 2 / rows["tp=1, 1 GPU"]["tokens_per_s"])
+    assert "needs 4 GPUs" in rows["tp=2 x pp=2, 4 GPUs"]["unavailable"]
+    assert "| tp=2, 2 GPUs | 2 |" in (tmp_path / "results.md").read_text()
