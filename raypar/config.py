@@ -72,7 +72,8 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
     # Tensor-parallel workers per stage cell, splitting its layers: attention by heads, the
     # MLP column- then row-parallel, embedding, head and cross-entropy by vocabulary; norms
-    # replicated. Dense models; not yet with a sharded optimizer
+    # whole on every tp worker, as are MoE layers (their experts split over ep). Not yet with a
+    # sharded optimizer
     tp: int = 1
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
@@ -444,8 +445,7 @@ def _check_tensor_parallel(cfg: Config) -> None:
             raise ConfigError(f"{key}={n} is not divisible by parallel.tp={p.tp} (tensor parallelism splits it); "
                               f"parallel.tp={fits[-1]} would work, or a {key} that is a multiple of {p.tp}")
     # Not built yet for tensor-parallel stages: each would save or restore wrong tensors.
-    off = {"model.n_experts": (m.n_experts, "0 (MoE stages keep ep, without tp)"),
-           "parallel.shard_optimizer": (p.shard_optimizer, "false"),
+    off = {"parallel.shard_optimizer": (p.shard_optimizer, "false"),
            "model.init_from": (m.init_from, "null")}
     on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
     if on:

@@ -99,9 +99,8 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
     [b, t, dim] -> [b, t, dim]; any auxiliary loss needs its own channel out of the block.
     """
     if cfg.is_moe_layer(layer_id):
-        if tp:
-            raise ValueError(f"layer {layer_id} is a mixture-of-experts layer: tensor parallelism does not split "
-                             f"MoE layers yet; use parallel.ep for the experts")
+        # Experts split over ep, not tp: under tp every tp rank runs the layer whole on the
+        # same tokens (its input and output are whole on every rank, as around a norm).
         return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
     if tp:
         return ParallelFeedForward(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg))

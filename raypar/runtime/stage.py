@@ -31,7 +31,7 @@ from raypar.model.moe import MoE
 from raypar.model.tensor_parallel import TensorParallel, gather_whole, slice_whole, tp_slices
 from raypar.model.split_backward import (compute_weight_grads, drop_weight_grads, pending_tensors, set_split_backward,
                                          weight_grads_deferred)
-from raypar.optim import MasterOptimizer
+from raypar.optim import MasterOptimizer, is_expert_param
 from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
@@ -686,14 +686,15 @@ class StageRuntime:
         # Dense gradients are equal on the ep ranks of a stage: count them once. So are those of
         # the parameters every tp rank holds whole (norms) on the tp ranks of a cell.
         if self._tp_whole:
-            whole = [g for (name, _), g in zip(self.optimizer.named_params, self.optimizer.grads())
-                     if name in self._tp_whole]
-            sliced = [g for (name, _), g in zip(self.optimizer.named_params, self.optimizer.grads())
-                      if name not in self._tp_whole]
+            named = [(name, g) for (name, _), g in zip(self.optimizer.named_params, self.optimizer.grads())
+                     if not is_expert_param(name)]
+            whole = [g for name, g in named if name in self._tp_whole]
+            sliced = [g for name, g in named if name not in self._tp_whole]
             dense_sq = self.optimizer.local_sq_norm(sliced) + self.optimizer.local_sq_norm(whole) / self.grid.tp
         else:
             dense_sq = self.optimizer.local_sq_norm(dense)
-        sq = (dense_sq / self.grid.ep + self.optimizer.local_sq_norm(expert)).to(self.device)
+        # Experts are whole on every tp rank of a cell (split over ep only).
+        sq = (dense_sq / self.grid.ep + self.optimizer.local_sq_norm(expert) / self.grid.tp).to(self.device)
         all_reduce_([sq], self.groups.replica, self.timeout)
         return sq
 
