@@ -76,6 +76,19 @@ def check_object_store(every: int, nodes: list[str], state_bytes: list[int], pee
 _GENERATIONS = itertools.count(time.time_ns() // 1000)
 
 
+def shared_memory_notes(info: list[dict]) -> list[str]:
+    """One line per node where some worker's copies in memory found no room in shared
+    memory (`elastic.memory_shared`): there they die with a lost process."""
+    short: dict[str, list[dict]] = {}
+    for i in info:
+        if (i.get("shared_memory") or {}).get("short"):
+            short.setdefault(i["node"], []).append(i)
+    return [f"raypar: /dev/shm on node {node} had no room for the copies in memory of {len(held)} worker(s) "
+            f"({min(i['shared_memory']['free_bytes'] for i in held) / 2**30:.2f} GiB left): those copies went to the "
+            f"workers' own memory and die with a lost process; a larger /dev/shm (docker run --shm-size, or a "
+            f"larger tmpfs) keeps them" for node, held in short.items()]
+
+
 class WorkerMemory:
     def __init__(self, group) -> None:
         self.group = group

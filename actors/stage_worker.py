@@ -108,6 +108,13 @@ class StageWorker:
                   "with its process", flush=True)
         return shared
 
+    def _shared_memory_info(self) -> dict | None:
+        """Whether this worker's copies in memory all found room in shared memory, and what is left there."""
+        shared = self.recent.shared
+        if shared is None:
+            return None
+        return {"short": shared.short, "free_bytes": shared.free_bytes()}
+
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
         taking a lost worker's place costs only `setup`: what torch imports on first building a
@@ -207,6 +214,7 @@ class StageWorker:
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "state_bytes": self.runtime.state_bytes(),
                 "parameters": sum(p.numel() for p in self.runtime.model.parameters()),
+                "shared_memory": self._shared_memory_info(),
                 "host_available_bytes": host_available_bytes(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "gpu": self.gpu_id, "backend": backend,

@@ -114,6 +114,15 @@ def test_no_room_in_shared_memory_falls_back_to_private_copies(tmp_path, monkeyp
     assert recent.inventory(GENERATION) == [(2, 5)]
     assert shared.inventory(GENERATION) == []
     assert torch.equal(recent.tensors(2, 5)["w"], w)
+    # The driver says so, once per node.
+    from raypar.actors.memory import shared_memory_notes
+
+    info = [{"node": "10.0.0.1", "shared_memory": {"short": shared.short, "free_bytes": 2**29}},
+            {"node": "10.0.0.1", "shared_memory": {"short": False, "free_bytes": 2**30}},
+            {"node": "10.0.0.2", "shared_memory": None}]
+    notes = shared_memory_notes(info)
+    assert len(notes) == 1 and "/dev/shm on node 10.0.0.1 had no room for the copies in memory of 1 worker(s) " \
+                               "(0.50 GiB left)" in notes[0] and "--shm-size" in notes[0]
 
 
 def test_drop_removes_the_runs_files(tmp_path):

@@ -24,6 +24,7 @@ from typing import IO, Callable
 
 import ray
 
+from raypar.actors.memory import shared_memory_notes
 from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
 from raypar.checkpoint import read_manifest
 from raypar.checkpoint.storage import Location, redact
@@ -400,6 +401,8 @@ class Controller:
             self.log(f"raypar: parallel.schedule=auto runs {self.schedule} on {self.grid}: {self.chooser.choice['reason']}")
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             self.group.memory.set_peers()
+            for line in shared_memory_notes(self.group.info):
+                self.log(line)
             if not self._memory_swept:
                 # What a run in this run directory before this driver left in shared memory.
                 self.group.memory.clear()

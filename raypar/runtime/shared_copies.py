@@ -77,7 +77,7 @@ class SharedCopies:
         self.pin = pin  # register the files' pages with CUDA (copies from the GPU need pinned memory)
         # By slot (a file's name): its bytes as mapped here, and whether CUDA has them registered.
         self._mapped: dict[str, tuple[torch.Tensor, bool]] = {}
-        self._said_full = False
+        self.short = False  # a copy found no room here and went to private memory
         self._dropped = False  # the run is over here: nothing is made again (`drop`)
 
     @classmethod
@@ -111,8 +111,8 @@ class SharedCopies:
             path.unlink(missing_ok=True)
             if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                 raise
-            if not self._said_full:
-                self._said_full = True
+            if not self.short:
+                self.short = True
                 st = os.statvfs(self.own_dir)
                 print(f"raypar: {self.node_dir.parent.parent} has no room for a {size / 2**30:.2f} GiB copy "
                       f"({st.f_bavail * st.f_frsize / 2**30:.2f} GiB free): this worker's copies in memory die with "
@@ -124,6 +124,11 @@ class SharedCopies:
             pinned = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0) == 0
         self._mapped[slot] = (flat, pinned)
         return {name: _view(flat, offsets[name], shape, dtype) for name, (shape, dtype) in layout.items()}
+
+    def free_bytes(self) -> int:
+        """Room left in shared memory on this node."""
+        st = os.statvfs(self.node_dir.parent.parent)
+        return st.f_bavail * st.f_frsize
 
     def commit(self, slot: str, rank: int, step: int, generation: int, tensors: dict[str, torch.Tensor]) -> bool:
         """Say that the slot's file holds `rank`'s state after `step` steps. Tensors not in the
