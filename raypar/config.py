@@ -75,6 +75,11 @@ class ParallelConfig:
     # whole on every tp worker, as are MoE layers (their experts split over ep). Not yet with a
     # sharded optimizer
     tp: int = 1
+    # With tp: norms, residuals and the hidden states sent between stages hold each tp
+    # worker's slice of the sequence rather than all of it (activation memory and pipeline
+    # sends / tp); the split layers gather and reduce-scatter instead of all-reducing.
+    # Needs data.seq_len a multiple of tp, no dropout and no MoE layers
+    sequence_parallel: bool = False
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
     # auto: the first two steps on each grid time F, I and W (with zb-h1), the schedules the
@@ -434,6 +439,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if p.tp < 2:
+        raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tensor-parallel workers, but "
+                          f"parallel.tp={p.tp}; set parallel.tp >= 2 or sequence_parallel=false")
+    if cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={cfg.data.seq_len} is not a multiple of "
+                          f"parallel.tp={p.tp}")
+    off = {"model.dropout": (m.dropout, "0"), "model.n_experts": (m.n_experts, "0")}
+    on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
+    if on:
+        raise ConfigError("parallel.sequence_parallel=true does not work yet with " + ", ".join(on)
+                          + "; or set parallel.sequence_parallel=false")
+
+
 def _check_tensor_parallel(cfg: Config) -> None:
     """parallel.tp > 1: every split dimension divides, and nothing that does not work with tp yet is on."""
     m, p = cfg.model, cfg.parallel
@@ -546,6 +566,8 @@ def validate(cfg: Config) -> None:
         )
     if p.tp > 1:
         _check_tensor_parallel(cfg)
+    if p.sequence_parallel:
+        _check_sequence_parallel(cfg)
     if p.pp > m.n_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} stages but the model has only model.n_layers={m.n_layers} layers; "

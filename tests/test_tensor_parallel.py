@@ -212,6 +212,13 @@ TP_GRIDS = {
     "dp2-tp2-dropout-recompute-gqa": dict(model={"n_layers": 2, "dropout": 0.2, "n_kv_heads": 2},
                                           parallel={"dp": 2, "tp": 2}, train={"global_batch_size": 16},
                                           runtime={"recompute": "block"}),
+    # Sequence parallelism: norms, residuals and the hidden states between stages hold each
+    # tp rank's half of the sequence.
+    "pp2-tp2-sequence-parallel": dict(model={"n_layers": 4, "n_kv_heads": 2},
+                                      parallel={"pp": 2, "tp": 2, "sequence_parallel": True}),
+    "dp2-tp2-sequence-parallel-recompute": dict(model={"n_layers": 2}, parallel={"dp": 2, "tp": 2,
+                                                                                  "sequence_parallel": True},
+                                                train={"global_batch_size": 16}, runtime={"recompute": "block"}),
     # Attention split over tp=2, every other layer's MLP too; the MoE layers whole on each tp
     # rank, their experts split over ep=2.
     "ep2-tp2-moe": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
@@ -252,6 +259,11 @@ def test_tensor_parallel_config_names_what_does_not_divide_and_what_is_not_built
         load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true"])
     with pytest.raises(ConfigError, match=r"parallel.tp=0 must be at least 1"):
         load_config(None, ["parallel.tp=0"])
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true splits the sequence .* parallel.tp=1"):
+        load_config(None, ["parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not work yet with "
+                                          r"model.dropout=0.1 \(set 0\)"):
+        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"])
 
 
 def test_a_run_split_over_tp_trains_as_the_run_without_and_its_checkpoint_loads_on_any_tp(ray_session, tmp_path):

@@ -161,13 +161,23 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, first: int, gro
 
 class TensorParallel:
     """This rank's place among the `size` ranks a stage's layers are split over: every split
-    layer holds it, and the runtime sets `group` (their process group) once it exists."""
+    layer holds it, and the runtime sets `group` (their process group) once it exists.
+    `sequence`: between the split layers (norms, residuals, the hidden states a stage sends)
+    each rank holds a slice of the sequence instead of all of it (sequence parallelism)."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, sequence: bool = False) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.sequence = rank, size, sequence
         self.group = None
+
+    def enter(self, x: Tensor) -> Tensor:
+        """The whole input of column-parallel layers from what the residual stream holds."""
+        return gather_sequence(x, self.group) if self.sequence else to_tensor_parallel(x, self.group)
+
+    def leave(self, x: Tensor) -> Tensor:
+        """Row-parallel layers' partial outputs summed into what the residual stream holds."""
+        return reduce_scatter_sequence(x, self.group) if self.sequence else from_tensor_parallel(x, self.group)
 
     def split(self, what: str, n: int) -> int:
         """n / size, for `what` (a model key) that must divide evenly; a clear error if not."""
@@ -211,14 +221,77 @@ def gather_from_tensor_parallel(x: Tensor, group) -> Tensor:
     return x if group is None else _GatherFromTensorParallel.apply(x, group)
 
 
-def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, first: int, group) -> Tensor:
+def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, first: int, group, sequence: bool = False) -> Tensor:
     """Embedding rows of `tokens` from this rank's slice of the table (vocabulary ids first ..
-    first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from here."""
+    first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from here
+    (`sequence`: a reduce-scatter, each rank keeping its slice of the sequence)."""
     if group is None:
         return torch.nn.functional.embedding(tokens, weight)
     mine = (tokens >= first) & (tokens < first + weight.shape[0])
     rows = torch.nn.functional.embedding(torch.where(mine, tokens - first, 0), weight)
-    return from_tensor_parallel(rows * mine.unsqueeze(-1).to(rows.dtype), group)
+    rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+    return reduce_scatter_sequence(rows, group) if sequence else from_tensor_parallel(rows, group)
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gather_dim1(x: Tensor, group) -> Tensor:
+    size = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()  # the sequence first: each rank's slice is one block
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather(out, x, group=group)
+    # Back to [b, t, ...] in memory too (a copy; a [t, b, ...] residual stream would avoid it).
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_dim1(x: Tensor, group) -> Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[1] % size:
+        raise ValueError(f"a sequence of {x.shape[1]} tokens does not split over {size} tensor-parallel ranks")
+    x = x.transpose(0, 1).contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, x, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's slice of the sequence (dim 1), joined; backward sums the ranks' gradients
+    and keeps this rank's slice (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _gather_dim1(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter_dim1(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """The ranks' partial sums, summed, each rank keeping its slice of the sequence (dim 1);
+    backward gathers the slices' gradients whole."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter_dim1(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather_dim1(grad, ctx.group), None
+
+
+def gather_sequence(x: Tensor, group) -> Tensor:
+    """[b, t / tp, ...] slices of the sequence to [b, t, ...] on every rank (sequence parallelism)."""
+    return x if group is None else _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x: Tensor, group) -> Tensor:
+    """[b, t, ...] partial sums to this rank's [b, t / tp, ...] slice of their sum."""
+    return x if group is None else _ReduceScatterSequence.apply(x, group)
 
 
 def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]], group) -> dict[str, Tensor]:

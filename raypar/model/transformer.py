@@ -21,8 +21,8 @@ from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
 from raypar.model.split_backward import Linear
-from raypar.model.tensor_parallel import (TensorParallel, from_tensor_parallel, gather_from_tensor_parallel,
-                                          to_tensor_parallel, vocab_parallel_cross_entropy, vocab_parallel_embedding)
+from raypar.model.tensor_parallel import (TensorParallel, gather_from_tensor_parallel, vocab_parallel_cross_entropy,
+                                          vocab_parallel_embedding)
 
 __all__ = [
     "Attention",
@@ -72,8 +72,8 @@ class Attention(nn.Module):
             tp.mark(self.wo, "weight", (cfg.dim, cfg.n_heads * self.head_dim), 1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        group = self.tp.group if self.tp else None
-        x = to_tensor_parallel(x, group)
+        if self.tp:
+            x = self.tp.enter(x)
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -86,7 +86,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return from_tensor_parallel(self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)), group)
+        out = self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.tp.leave(out) if self.tp else out
 
 
 def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
@@ -120,7 +121,7 @@ class ParallelFeedForward(FeedForward):
         tp.mark(self.w2, "weight", (dim, hidden_dim), 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return from_tensor_parallel(super().forward(to_tensor_parallel(x, self.tp.group)), self.tp.group)
+        return self.tp.leave(super().forward(self.tp.enter(x)))
 
 
 class Block(nn.Module):
@@ -130,7 +131,8 @@ class Block(nn.Module):
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
         self.dropout = cfg.dropout
-        # Norms and the residual stream are whole on every tensor-parallel rank.
+        # Norms and the residual stream are whole on every tensor-parallel rank (with
+        # sequence parallelism, each rank's slice of the sequence).
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
@@ -260,13 +262,14 @@ class Transformer(nn.Module):
         if self.embed_chunk == chunk:
             if x.dtype.is_floating_point:
                 raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
-            h = (vocab_parallel_embedding(x, self.embed.weight, self.vocab_first, self.tp.group) if self.tp
-                 else self.embed(x))
+            h = (vocab_parallel_embedding(x, self.embed.weight, self.vocab_first, self.tp.group, self.tp.sequence)
+                 if self.tp else self.embed(x))
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
                 raise ValueError(f"this stage expects hidden states [b, t, {self.cfg.dim}], got shape {tuple(x.shape)}")
             h = x
-        t = h.shape[1]
+        # Sequence parallelism: the residual stream holds this rank's slice of the sequence.
+        t = h.shape[1] * (self.tp.size if self.tp and self.tp.sequence else 1)
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self._rope(t, h.dtype)
@@ -287,7 +290,7 @@ class Transformer(nn.Module):
             return h
         if self.tp:
             # This rank's vocabulary slice of the logits; the loss never gathers them.
-            logits = self.head(to_tensor_parallel(self.norm(h), self.tp.group))
+            logits = self.head(self.tp.enter(self.norm(h)))
             if labels is None:
                 return gather_from_tensor_parallel(logits, self.tp.group)
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_first,

@@ -145,7 +145,7 @@ class StageRuntime:
 
         tp = None
         if grid.tp > 1:
-            tp = TensorParallel(self.coord.tp, grid.tp)
+            tp = TensorParallel(self.coord.tp, grid.tp, sequence=cfg.parallel.sequence_parallel)
             tp.group = groups.tp
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
@@ -379,7 +379,9 @@ class StageRuntime:
             moe.aux_scale = 1.0 / n_mb
         self.clock.start()
         # Shapes follow the step's program, so one worker group can run any schedule and count.
-        act_shape = (len(sample_ids) // n_mb, self.cfg.data.seq_len, self.cfg.model.dim)
+        # Sequence parallelism: stages send each tp worker's slice of the sequence.
+        seq = self.cfg.data.seq_len // (self.grid.tp if self.cfg.parallel.sequence_parallel else 1)
+        act_shape = (len(sample_ids) // n_mb, seq, self.cfg.model.dim)
         return _StepState(step, list(sample_ids), tokens, labels, seeds, act_shape,
                           Inflight(self.groups.channels, self.stage, self.groups.line, self.timeout),
                           data_wait_s=data_wait)
@@ -690,6 +692,9 @@ class StageRuntime:
                      if not is_expert_param(name)]
             whole = [g for name, g in named if name in self._tp_whole]
             sliced = [g for name, g in named if name not in self._tp_whole]
+            if self.cfg.parallel.sequence_parallel:
+                # Each tp worker saw its slice of the sequence: the norms' gradients are partial.
+                all_reduce_(whole, self.groups.tp, self.timeout)
             dense_sq = self.optimizer.local_sq_norm(sliced) + self.optimizer.local_sq_norm(whole) / self.grid.tp
         else:
             dense_sq = self.optimizer.local_sq_norm(dense)
