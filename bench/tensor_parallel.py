@@ -1,7 +1,8 @@
 """Tensor-parallel suite: the 1B model with its layers split over tp GPUs, against the grids
 without tp on as many GPUs, in one call.
 
-Rows by GPUs: on 2, tp=2 against tp=1 on one GPU (the split layers' efficiency); on 4 also
+Rows by GPUs: on 2, tp=2 (with and without sequence parallelism) against tp=1 on one GPU
+(the split layers' efficiency); on 4 also
 tp=2 x pp=2 against pp=4 and dp=2 x pp=2. Named only (`--suite tp`): it is not part of `all`.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ NOTES = ("configs/gpt-1b.yaml (bf16, 8 micro-batches of 4 x 1024 tokens per repl
 ROWS = [
     ("tp=1, 1 GPU", 1, ["parallel.pp=1", "parallel.tp=1"]),
     ("tp=2, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2"]),
+    ("tp=2, sequence parallel, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("pp=4, 4 GPUs", 4, ["parallel.pp=4", "parallel.tp=1"]),
     ("tp=2 x pp=2, 4 GPUs", 4, ["parallel.pp=2", "parallel.tp=2"]),
     ("dp=2 x pp=2, 4 GPUs", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4"]),

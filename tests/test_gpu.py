@@ -37,6 +37,28 @@ def test_nccl_pipeline_matches_reference(ray_session, tmp_path):
         group.shutdown()
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_parallel):
+    """tp=2 over NCCL: the split layers' all-reduces (or gathers and reduce-scatters), the
+    vocabulary-parallel loss and the gathered gradients equal the single GPU's."""
+    _need_gpus(2)
+    cfg = tiny_config(tmp_path, parallel={"tp": 2, "sequence_parallel": sequence_parallel},
+                      runtime={"device": "cuda", "collective_timeout_s": 30.0})
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=0)
+    ref = ReferenceTrainer(cfg, device="cuda")
+    group = start_group_on(cfg, dataset, "cuda")
+    try:
+        for step, (schedule, m) in enumerate([("1f1b", 4), ("zb-h1", 4)]):
+            loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m,
+                                                            device="cuda")
+            assert loss == pytest.approx(ref_loss, rel=1e-4)
+            for name, g in ref_grads.items():
+                torch.testing.assert_close(grads[name], g.cpu(), rtol=1e-4, atol=1e-5)
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("schedules", [["interleaved-1f1b"], ["zb-v", "zb-v-half"]], ids=["loop", "v"])
 def test_nccl_chunked_pipeline_matches_reference(ray_session, tmp_path, schedules):
     """Two chunks per stage over NCCL: a loop sends activations back from the last stage to
