@@ -80,3 +80,14 @@ class Grid:
 
     def __str__(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x ep={self.ep}" + (f" x tp={self.tp}" if self.tp > 1 else "")
+
+
+def cells_across_nodes(grid: Grid, nodes: list[str]) -> dict[Coord, list[str]]:
+    """The stage cells whose tp workers (ranks by `nodes[rank]`) are not all on one node:
+    their every block's all-reduces then cross the network. Cell -> its workers' nodes."""
+    spread: dict[Coord, list[str]] = {}
+    for rank in range(0, grid.size, grid.tp):
+        held = nodes[rank:rank + grid.tp]
+        if len(set(held)) > 1:
+            spread[grid.coord(rank)] = held
+    return spread

@@ -325,3 +325,12 @@ def test_a_killed_tensor_parallel_worker_comes_back_from_memory_as_the_uninterru
     assert event["steps_lost"] <= 1 and event["workers_kept"] == 3, event
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(6)] == pytest.approx([want[s] for s in range(6)], rel=1e-5)
+
+
+def test_a_cell_whose_tp_workers_span_nodes_is_found():
+    from raypar.topology import Coord, Grid, cells_across_nodes
+
+    grid = Grid(dp=1, pp=2, ep=1, tp=2)
+    assert cells_across_nodes(grid, ["a", "a", "b", "b"]) == {}
+    assert cells_across_nodes(grid, ["a", "a", "a", "b"]) == {Coord(0, 1, 0, 0): ["a", "b"]}
+    assert cells_across_nodes(Grid(dp=2), ["a", "b"]) == {}  # tp=1: a cell is one worker

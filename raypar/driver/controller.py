@@ -43,7 +43,7 @@ from raypar.model import flops_per_token
 from raypar.resources import ResourceError, plan_resources
 from raypar.runtime.report import StepReport
 from raypar.schedule import build_programs, prepare, schedule_layout
-from raypar.topology import Grid
+from raypar.topology import Grid, cells_across_nodes
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
 WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
@@ -392,6 +392,9 @@ class Controller:
         else:
             self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path), init_weights)
         self._say_kernels(self.group.info)
+        for cell, nodes in cells_across_nodes(self.grid, [i["node"] for i in self.group.info]).items():
+            self.log(f"raypar: the tp workers of stage cell {cell} are on nodes {nodes}: their all-reduces cross the "
+                     f"network (slow); nodes with room for a whole cell ({self.grid.tp} workers) keep them together")
         # The workers' devices, not the driver's: a cluster's head node may have no GPU.
         peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
         self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
