@@ -25,6 +25,15 @@ def peer_of(rank: int, nodes: list[str]) -> int:
     return theirs[mine.index(rank) % len(theirs)]
 
 
+def peers_of(nodes: list[str], shared: list[bool]) -> list[int]:
+    """Who keeps each rank's replicas (`peer_of`; a rank that is its own peer sends none).
+    On one node a worker whose copies are in shared memory (`shared[rank]`) needs none: its
+    copies outlive its process, and nothing on the node outlives the node."""
+    if len(set(nodes)) == 1:
+        return [r if shared[r] or len(nodes) == 1 else peer_of(r, nodes) for r in range(len(nodes))]
+    return [peer_of(r, nodes) for r in range(len(nodes))]
+
+
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
                       peers: list[int], node_names: list[str] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
@@ -99,7 +108,8 @@ class WorkerMemory:
         once the nodes are known to hold what the workers will keep (`check_host_memory`)."""
         g = self.group
         nodes = [i["node_id"] for i in g.info]
-        peers = [peer_of(r, nodes) if len(nodes) > 1 else r for r in range(len(nodes))]
+        shared = [bool(i.get("shared_memory")) and not i["shared_memory"]["short"] for i in g.info]
+        peers = peers_of(nodes, shared)
         state_bytes, node_names = [i["state_bytes"] for i in g.info], [i["node"] for i in g.info]
         check_host_memory(g.cfg.elastic.memory_every, nodes, state_bytes, [i["host_available_bytes"] for i in g.info],
                           peers, node_names)

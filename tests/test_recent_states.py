@@ -193,3 +193,12 @@ def test_a_replica_is_copied_into_the_buffers_of_the_one_it_replaces():
     recent.keep_replica(1, 10, recent.replica_buffers(1, like), generation=0)
     assert recent.replica_buffers(1, {"w": torch.zeros(4)})["w"].shape == (4,)  # another layout: new buffers
     assert sorted(s for r, s in recent.inventory() if r == 1) == [9, 10]
+
+
+def test_on_one_node_copies_in_shared_memory_need_no_replica():
+    from raypar.actors.memory import peers_of
+
+    assert peers_of(["a", "a", "a"], [True, True, True]) == [0, 1, 2]  # nobody sends
+    assert peers_of(["a", "a", "a"], [True, False, True]) == [0, 2, 2]  # rank 1's copies die with it
+    assert peers_of(["a", "a", "b", "b"], [True] * 4) == [2, 3, 0, 1]  # a lost node needs the other's
+    assert peers_of(["a"], [False]) == [0]
