@@ -42,17 +42,22 @@ def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_
     """tp=2 over NCCL: the split layers' all-reduces (or gathers and reduce-scatters), the
     vocabulary-parallel loss and the gathered gradients equal the single GPU's."""
     _need_gpus(2)
-    cfg = tiny_config(tmp_path, parallel={"tp": 2, "sequence_parallel": sequence_parallel},
-                      runtime={"device": "cuda", "collective_timeout_s": 30.0})
+    _matches_on_nccl(tmp_path, {"tp": 2, "sequence_parallel": sequence_parallel}, [("1f1b", 4), ("zb-h1", 4)])
+
+
+def _matches_on_nccl(tmp_path, parallel: dict, plan: list[tuple[str, int]]) -> None:
+    """Each (schedule, micro-batches) step of `plan` on a CUDA worker group of the tiny model
+    with `parallel` and on the single-GPU reference: the same loss and gradients."""
+    cfg = tiny_config(tmp_path, parallel=parallel, runtime={"device": "cuda", "collective_timeout_s": 30.0})
     dataset = synthetic_data(tmp_path, cfg)
     order = SampleOrder(len(dataset), seed=0)
     ref = ReferenceTrainer(cfg, device="cuda")
     group = start_group_on(cfg, dataset, "cuda")
     try:
-        for step, (schedule, m) in enumerate([("1f1b", 4), ("zb-h1", 4)]):
+        for step, (schedule, m) in enumerate(plan):
             loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m,
                                                             device="cuda")
-            assert loss == pytest.approx(ref_loss, rel=1e-4)
+            assert loss == pytest.approx(ref_loss, rel=1e-4), f"step {step} ({schedule})"
             for name, g in ref_grads.items():
                 torch.testing.assert_close(grads[name], g.cpu(), rtol=1e-4, atol=1e-5)
     finally:
@@ -64,22 +69,7 @@ def test_nccl_chunked_pipeline_matches_reference(ray_session, tmp_path, schedule
     """Two chunks per stage over NCCL: a loop sends activations back from the last stage to
     the first, a V turns in memory; each direction of travel is a communicator of its own."""
     _need_gpus(2)
-    cfg = tiny_config(tmp_path, parallel={"pp": 2, "schedule": schedules[0]},
-                      runtime={"device": "cuda", "collective_timeout_s": 30.0})
-    dataset = synthetic_data(tmp_path, cfg)
-    order = SampleOrder(len(dataset), seed=0)
-    ref = ReferenceTrainer(cfg, device="cuda")
-    group = start_group_on(cfg, dataset, "cuda")
-    try:
-        plan = [(s, m) for m in (4, 8) for s in schedules]
-        for step, (schedule, m) in enumerate(plan):
-            loss, grads, ref_loss, ref_grads, _ = step_both(group, ref, dataset, order, step, schedule, m,
-                                                            device="cuda")
-            assert loss == pytest.approx(ref_loss, rel=1e-4), f"step {step} ({schedule})"
-            for name, g in ref_grads.items():
-                torch.testing.assert_close(grads[name], g.cpu(), rtol=1e-4, atol=1e-5)
-    finally:
-        group.shutdown()
+    _matches_on_nccl(tmp_path, {"pp": 2, "schedule": schedules[0]}, [(s, m) for m in (4, 8) for s in schedules])
 
 
 def test_nccl_sharded_optimizer_matches_reference(ray_session, tmp_path):

@@ -256,42 +256,28 @@ def _reduce_scatter_dim1(x: Tensor, group) -> Tensor:
     return out.transpose(0, 1).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Every rank's slice of the sequence (dim 1), joined; backward sums the ranks' gradients
-    and keeps this rank's slice (a reduce-scatter)."""
+class _SequenceExchange(torch.autograd.Function):
+    """Along the sequence (dim 1): forward all-gathers the ranks' slices (`gather`) or
+    reduce-scatters their partial sums; backward does the other, each the other's adjoint."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _gather_dim1(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _reduce_scatter_dim1(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """The ranks' partial sums, summed, each rank keeping its slice of the sequence (dim 1);
-    backward gathers the slices' gradients whole."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _reduce_scatter_dim1(x, group)
+    def forward(ctx, x: Tensor, group, gather: bool) -> Tensor:
+        ctx.group, ctx.gather = group, gather
+        return (_gather_dim1 if gather else _reduce_scatter_dim1)(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _gather_dim1(grad, ctx.group), None
+        return (_reduce_scatter_dim1 if ctx.gather else _gather_dim1)(grad, ctx.group), None, None
 
 
 def gather_sequence(x: Tensor, group) -> Tensor:
     """[b, t / tp, ...] slices of the sequence to [b, t, ...] on every rank (sequence parallelism)."""
-    return x if group is None else _GatherSequence.apply(x, group)
+    return x if group is None else _SequenceExchange.apply(x, group, True)
 
 
 def reduce_scatter_sequence(x: Tensor, group) -> Tensor:
     """[b, t, ...] partial sums to this rank's [b, t / tp, ...] slice of their sum."""
-    return x if group is None else _ReduceScatterSequence.apply(x, group)
+    return x if group is None else _SequenceExchange.apply(x, group, False)
 
 
 def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]], group) -> dict[str, Tensor]:

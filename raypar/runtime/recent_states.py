@@ -3,11 +3,13 @@ without storage (`elastic.memory_every`).
 
 After every K-th step a worker copies all the state it holds (weights, fp32 masters, AdamW,
 EMA, RNG) into host memory, beside the next step as a checkpoint snapshot does
-(`StateSnapshot`), and keeps its three newest complete copies. Each complete copy is then
-sent to one peer (a worker on another node where there is one), which keeps the two newest
-it received whole (copied into the buffers of the replica they replace: `replica_buffers`). After a failure the controller asks the survivors what they hold and
-restores the newest step every rank of the failed grid has somewhere: a lost rank's from
-its peer's replica, which lags its owner's newest copy by as long as sending one takes.
+(`StateSnapshot`), and keeps its three newest complete copies. Copies are also sent to one
+peer (a worker on another node where there is one) at their own pace, on a thread of their
+own, while the copies go on; the peer keeps the two newest it received whole (copied into
+the buffers of the replica they replace: `replica_buffers`), and the sender keeps the copies
+those replicas came from. After a failure the controller asks the survivors what they hold
+and restores the newest step every rank of the failed grid has somewhere: a lost rank's
+from its own copies where they outlived it, else from its peer's replica.
 
 With `SharedCopies` (`elastic.memory_shared`) the copies and replicas are made in files in
 shared memory, which outlive the process: a lost worker's newest copies are still on its

@@ -118,10 +118,16 @@ class SharedCopies:
                       f"({st.f_bavail * st.f_frsize / 2**30:.2f} GiB free): this worker's copies in memory die with "
                       f"its process (a larger /dev/shm, e.g. docker --shm-size, keeps them)", flush=True)
             return None
-        flat = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        flat = (torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size
+                else torch.empty(0, dtype=torch.uint8))
         pinned = False
         if self.pin and size:
-            pinned = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0) == 0
+            error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)
+            pinned = error == 0
+            if not pinned:
+                # Copies from the GPU into pageable memory are synchronous: they would stall steps.
+                print(f"raypar: registering {size / 2**30:.2f} GiB of shared memory with CUDA failed (error {error}); "
+                      f"copies into it will be slow: set elastic.memory_shared=false", flush=True)
         self._mapped[slot] = (flat, pinned)
         return {name: _view(flat, offsets[name], shape, dtype) for name, (shape, dtype) in layout.items()}
 
