@@ -465,8 +465,7 @@ def _check_tensor_parallel(cfg: Config) -> None:
             raise ConfigError(f"{key}={n} is not divisible by parallel.tp={p.tp} (tensor parallelism splits it); "
                               f"parallel.tp={fits[-1]} would work, or a {key} that is a multiple of {p.tp}")
     # Not built yet for tensor-parallel stages: each would save or restore wrong tensors.
-    off = {"parallel.shard_optimizer": (p.shard_optimizer, "false"),
-           "model.init_from": (m.init_from, "null")}
+    off = {"parallel.shard_optimizer": (p.shard_optimizer, "false")}
     on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
     if on:
         raise ConfigError(f"parallel.tp={p.tp}: tensor-parallel stages do not work yet with " + ", ".join(on)

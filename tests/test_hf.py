@@ -192,15 +192,27 @@ def test_tied_embeddings_untie(tmp_path: pathlib.Path) -> None:
 @CONFIGS
 def test_init_from_starts_every_stage_from_the_hf_weights(ray_session, tmp_path: pathlib.Path, cfg: ModelConfig) -> None:
     """`raypar train --init-from`: each stage worker (and expert-parallel rank) loads its share."""
-    from helpers import start_group, synthetic_data, tiny_config
-
     hf_cls = transformers.MixtralForCausalLM if cfg.n_experts else transformers.LlamaForCausalLM
     config_cls = transformers.MixtralConfig if cfg.n_experts else transformers.LlamaConfig
     torch.manual_seed(5)
     hf_cls(config_cls(**hf_config(cfg))).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _assert_stages_start_from_the_hf_weights(tmp_path, cfg, {"pp": 2, "ep": 2 if cfg.n_experts else 1})
+
+
+def test_init_from_splits_the_hf_weights_over_tensor_parallel_workers(ray_session, tmp_path: pathlib.Path) -> None:
+    """With tp=2 each worker keeps its slices of the folder's whole tensors (read back whole)."""
+    cfg = dataclasses.replace(DENSE, vocab_size=62)  # the vocabulary splits over tp
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(cfg))).save_pretrained(
+        tmp_path / "hf", safe_serialization=True)
+    _assert_stages_start_from_the_hf_weights(tmp_path, cfg, {"pp": 2, "tp": 2})
+
+
+def _assert_stages_start_from_the_hf_weights(tmp_path: pathlib.Path, cfg: ModelConfig, parallel: dict) -> None:
+    from helpers import start_group, synthetic_data, tiny_config
+
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
-    run = tiny_config(tmp_path, model={**model, "init_from": str(tmp_path / "hf")},
-                      parallel={"pp": 2, "ep": 2 if cfg.n_experts else 1})
+    run = tiny_config(tmp_path, model={**model, "init_from": str(tmp_path / "hf")}, parallel=parallel)
     group = start_group(run, synthetic_data(tmp_path, run))
     try:
         loaded = group.parameters()

@@ -163,7 +163,9 @@ class StageRuntime:
             from raypar.hf import load_hf_weights
 
             names = [n for n, _ in unstacked(self.model)]  # this stage's and ep rank's share
-            load_unstacked(self.model, load_hf_weights(cfg.model.init_from, cfg.model, names=names))
+            # Whole tensors from the folder; a tp worker keeps its slices.
+            load_unstacked(self.model, slice_whole(load_hf_weights(cfg.model.init_from, cfg.model, names=names),
+                                                   self._tp_sliced))
         self.model.train()
         self.recompute = cfg.runtime.recompute
         self.model.recompute = self.recompute == "block"
