@@ -15,6 +15,8 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from raypar.topology import Grid
+
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot work."""
@@ -108,6 +110,11 @@ class ParallelConfig:
     # Start a bucket's reduce-scatter inside the step's last backwards, once its gradients are
     # complete, instead of after every backward (sharded optimizer)
     overlap_grad_reduce: bool = True
+
+    @property
+    def grid(self) -> Grid:
+        """The configured grid of stage workers."""
+        return Grid(self.dp, self.pp, self.ep, self.tp)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from raypar.reference import ReferenceTrainer
 from raypar.resources import WorkerResources
 from raypar.schedule import CHUNKED_SCHEDULES, build_programs
 from raypar.driver.stats import step_loss
-from raypar.topology import Grid
 
 from conftest import WORKER_CPUS
 
@@ -73,7 +72,7 @@ def start_group(cfg: Config, dataset: TokenDataset):
 def start_group_on(cfg: Config, dataset: TokenDataset, device: str):
     from raypar.actors.worker_group import WorkerGroup
 
-    grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.tp)
+    grid = cfg.parallel.grid
     resources = WorkerResources(device, cfg.runtime.cpus_per_worker, 1 if device == "cuda" else 0)
     return WorkerGroup(cfg, grid, resources, str(dataset.path))
 

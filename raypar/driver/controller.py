@@ -80,7 +80,7 @@ class Controller:
                  owner: object):
         self.base_cfg = cfg  # the configured run; elastic re-plans derive from it
         self.cfg = cfg  # the plan running now
-        self.grid = Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.tp)
+        self.grid = cfg.parallel.grid
         self.callbacks = callbacks
         self.progress = progress
         self.log = log

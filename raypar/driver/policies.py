@@ -70,7 +70,7 @@ def grow_plan(cfg: Config, grid: Grid, slots: int) -> Plan | None:
     """A larger grid to grow to, when `slots` workers fit (the running grid's included) and
     the run is below its configured grid; else None."""
     e = cfg.elastic
-    if not (e.enabled and e.grow) or grid == Grid(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.tp):
+    if not (e.enabled and e.grow) or grid == cfg.parallel.grid:
         return None
     plan = plan_grid(cfg, slots, e.min_workers)
     return plan if plan is not None and plan.grid.size > grid.size else None

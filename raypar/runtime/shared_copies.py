@@ -73,6 +73,7 @@ class SharedCopies:
 
     def __init__(self, node_dir: Path, pin: bool = False) -> None:
         self.node_dir = node_dir
+        self.root = node_dir.parent.parent  # /dev/shm: what its space is counted against
         self.own_dir = node_dir / f"p{os.getpid()}"
         self.pin = pin  # register the files' pages with CUDA (copies from the GPU need pinned memory)
         # By slot (a file's name): its bytes as mapped here, and whether CUDA has them registered.
@@ -114,7 +115,7 @@ class SharedCopies:
             if not self.short:
                 self.short = True
                 st = os.statvfs(self.own_dir)
-                print(f"raypar: {self.node_dir.parent.parent} has no room for a {size / 2**30:.2f} GiB copy "
+                print(f"raypar: {self.root} has no room for a {size / 2**30:.2f} GiB copy "
                       f"({st.f_bavail * st.f_frsize / 2**30:.2f} GiB free): this worker's copies in memory die with "
                       f"its process (a larger /dev/shm, e.g. docker --shm-size, keeps them)", flush=True)
             return None
@@ -133,7 +134,7 @@ class SharedCopies:
 
     def free_bytes(self) -> int:
         """Room left in shared memory on this node."""
-        st = os.statvfs(self.node_dir.parent.parent)
+        st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
     def commit(self, slot: str, rank: int, step: int, generation: int, tensors: dict[str, torch.Tensor]) -> bool:
