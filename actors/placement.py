@@ -39,20 +39,27 @@ class Placement:
         self.timeout_s = timeout_s
         self._pgs: list = []
 
-    def reserve(self, n: int) -> list[Slot]:
-        """n worker bundles packed together, or ResourceError within the timeout."""
+    def reserve(self, n: int, per_node: int = 1) -> list[Slot]:
+        """n worker bundles packed together, or ResourceError within the timeout. `per_node`
+        > 1 (dividing n): each consecutive `per_node` of them on one node, in a placement group
+        of their own (a stage cell's tp workers, whose all-reduces want NVLink)."""
         bundle = self.resources.bundle()
-        pg = placement_group([bundle] * n, strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=self.timeout_s)
-        if not ready:
-            remove_placement_group(pg)
+        if per_node > 1 and n % per_node == 0:
+            pgs = [placement_group([bundle] * per_node, strategy="STRICT_PACK") for _ in range(n // per_node)]
+        else:
+            per_node, pgs = n, [placement_group([bundle] * n, strategy="PACK")]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.timeout_s)
+        if len(ready) < len(pgs):
+            for pg in pgs:
+                remove_placement_group(pg)
+            together = f", {per_node} on each node (a stage cell's tp workers)" if len(pgs) > 1 else ""
             raise ResourceError(
-                f"could not place {n} stage workers with {bundle} each within "
+                f"could not place {n} stage workers with {bundle} each{together} within "
                 f"runtime.placement_timeout_s={self.timeout_s:g}s; the cluster is busy or its free resources are "
                 f"split across nodes (ray status shows them)"
             )
-        self._pgs.append(pg)
-        return [(pg, i) for i in range(n)]
+        self._pgs += pgs
+        return [(pg, i) for pg in pgs for i in range(per_node)]
 
     def reserve_later(self, n: int, gpu: bool = True) -> list[Slot]:
         """n bundles that nothing waits for: a cluster without room only runs without them

@@ -209,7 +209,11 @@ class WorkerReserve:
         self.idle = [x for i, x in enumerate(self.idle) if i not in trusted]
         try:
             if len(missing) > len(usable):
-                usable += g.placement.reserve(len(missing) - len(usable))
+                # Whole stage cells started afresh get their tp workers on one node each.
+                tp = g.grid.tp
+                cells = not usable and all(missing[i:i + tp] == list(range(missing[i], missing[i] + tp))
+                                           and missing[i] % tp == 0 for i in range(0, len(missing), tp))
+                usable += g.placement.reserve(len(missing) - len(usable), per_node=tp if cells else 1)
             for r, slot in zip(missing, usable):
                 slots[r] = slot
                 workers[r] = g.start_worker(slot, r)

@@ -54,7 +54,7 @@ class WorkerGroup:
         # lost: a borrowing standby takes its GPU once its process has ended.
         self.slot_owner: dict[tuple[str, int], dict] = {}
         try:
-            self.slots = self.placement.reserve(grid.size)
+            self.slots = self.placement.reserve(grid.size, per_node=grid.tp)
             self.workers = [self.start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
             self.setup(fresh=True, init_weights=init_weights)
             self.reserve.start_standbys(cfg.elastic.standby_workers)

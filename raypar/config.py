@@ -74,8 +74,10 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel workers per stage (each holds n_experts / ep experts)
     # Tensor-parallel workers per stage cell, splitting its layers: attention by heads, the
     # MLP column- then row-parallel, embedding, head and cross-entropy by vocabulary; norms
-    # whole on every tp worker, as are MoE layers (their experts split over ep). Not yet with a
-    # sharded optimizer
+    # whole on every tp worker, as are MoE layers (their experts split over ep). Where tp
+    # does not divide the heads, the MLP's hidden size or the vocabulary, that part splits
+    # the model dimension instead, or is whole on every worker (the driver logs which). Not
+    # yet with a sharded optimizer
     tp: int = 1
     # With tp: norms, residuals and the hidden states sent between stages hold each tp
     # worker's slice of the sequence rather than all of it (activation memory and pipeline
@@ -462,15 +464,9 @@ def _check_sequence_parallel(cfg: Config) -> None:
 
 
 def _check_tensor_parallel(cfg: Config) -> None:
-    """parallel.tp > 1: every split dimension divides, and nothing that does not work with tp yet is on."""
-    m, p = cfg.model, cfg.parallel
-    split = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads, "model.hidden_dim": m.hidden_dim,
-             "model.vocab_size": m.vocab_size}
-    for key, n in split.items():
-        if n % p.tp:
-            fits = [k for k in _divisors(n) if k <= p.tp]
-            raise ConfigError(f"{key}={n} is not divisible by parallel.tp={p.tp} (tensor parallelism splits it); "
-                              f"parallel.tp={fits[-1]} would work, or a {key} that is a multiple of {p.tp}")
+    """parallel.tp > 1: nothing that does not work with tp yet is on. (A size tp does not
+    divide is no error: that part splits another way, `tensor_parallel.split_parts`.)"""
+    p = cfg.parallel
     # Not built yet for tensor-parallel stages: each would save or restore wrong tensors.
     off = {"parallel.shard_optimizer": (p.shard_optimizer, "false")}
     on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]

@@ -25,7 +25,7 @@ from raypar.runtime.shared_copies import SHM_ROOT, run_key  # noqa: E402
 
 
 class NodeChaos(Callback):
-    LAST_TRY = 6  # later, the run might end before the node comes back and it grows
+    LAST_TRY = 8  # later, the run might end before the node comes back and it grows
 
     def __init__(self, cluster, doomed):
         self.cluster, self.doomed, self.grids = cluster, doomed, []
@@ -35,11 +35,12 @@ class NodeChaos(Callback):
         self.grids.append(str(trainer.grid))
         if self.doomed is not None and record.step >= 3:
             # Once the other node holds the doomed node's newest copies: its ranks can come back
-            # from those replicas. Under load a copy may not have been asked for (the last one
-            # still replicating): then the run goes on and the next step tries again.
+            # from those replicas. Under load a step's copies may not be replicated (the last
+            # ones still on their way): then the run goes on and a later step tries again.
             # No older than this step (at most it and the one in flight are redone) nor the
             # newest checkpoint (or the recovery would take that instead).
-            if self.replicas_whole(trainer, oldest=max(record.step, (record.step + 1) // 3 * 3)):
+            if record.memory_replicated and self.replicas_whole(trainer, oldest=max(record.step,
+                                                                                    (record.step + 1) // 3 * 3)):
                 print(f"removing a node after step {record.step}", flush=True)
                 self.cluster.remove_node(self.doomed, allow_graceful=False)
                 self.doomed, self.removed_at = None, record.step
@@ -49,8 +50,17 @@ class NodeChaos(Callback):
             print("adding a node", flush=True)
             self.cluster.add_node(num_cpus=1)
             # Steps take a fraction of a second: without waiting, a node that registers
-            # slowly (a loaded machine) can miss every checkpoint left to grow at.
+            # slowly (a loaded machine) can miss every checkpoint left to grow at. Registered
+            # is not enough: its CPUs reach `ray.available_resources` (what the controller
+            # plans from) a moment later.
             self.cluster.wait_for_nodes()
+            deadline = time.monotonic() + 60.0
+            while trainer._controller._grow_plan() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"60 s after a node was added the controller still sees no room to grow: "
+                                       f"available {ray.available_resources()}")
+                time.sleep(0.2)
+            print(f"room to grow after step {record.step}", flush=True)
 
     def replicas_whole(self, trainer, oldest: int, wait_s: float = 10.0) -> bool:
         """Whether, within `wait_s`, the workers off the doomed node hold a whole state (every
@@ -82,7 +92,7 @@ def main(tmp: Path) -> int:
         cfg = config_from_dict({
             "model": {"vocab_size": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 16},
             "parallel": {"dp": 2, "pp": 2, "microbatches": 2},
-            "train": {"steps": 12, "global_batch_size": 8},
+            "train": {"steps": 15, "global_batch_size": 8},
             "data": {"path": str(data), "seq_len": 8},
             "runtime": {"run_dir": str(tmp / "nodes-run"), "device": "cpu", "cpus_per_worker": 0.5,
                         "collective_timeout_s": 30.0, "placement_timeout_s": 30.0},
@@ -96,7 +106,7 @@ def main(tmp: Path) -> int:
         print("grids per step:", chaos.grids, flush=True)
         print("recoveries:", summary.recoveries, flush=True)
         print("states:", summary.controller_states, flush=True)
-        assert sorted({r.step for r in summary.records}) == list(range(12))
+        assert sorted({r.step for r in summary.records}) == list(range(15))
         shrank = [r for r in summary.recoveries if r["grid"] == "dp=1 x pp=2 x ep=1"]
         if shrank:
             print("SHRANK")

@@ -55,8 +55,9 @@ def run_against_reference(cfg, tmp_path, plan, setup=None):
 GRIDS = [(1, 1, 2), (1, 2, 2), (2, 2, 1), (2, 1, 2)]
 
 
-# Every grid with both top-k; the eight-worker grid (the slowest to start on two cores) with top-2.
-@pytest.mark.parametrize("grid, top_k", [(g, k) for g in GRIDS for k in (1, 2)] + [((2, 2, 2), 2)],
+# Every grid, top-1 and top-2 by turns (each routing path on an ep=2 grid with and without pp
+# or dp); the eight-worker grid (the slowest to start on two cores) with top-2.
+@pytest.mark.parametrize("grid, top_k", [(g, 1 + i % 2) for i, g in enumerate(GRIDS)] + [((2, 2, 2), 2)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"top{v}")
 def test_expert_parallel_matches_single_process(ray_session, tmp_path, grid, top_k):
     run_against_reference(moe_config(tmp_path, grid, top_k), tmp_path, PLAN)

@@ -1,7 +1,8 @@
 """Tensor-parallel pieces (issue 30) over gloo: a SwiGLU MLP split column- then
 row-parallel, and the vocabulary-parallel cross-entropy, each equal to the whole layer on
 one process (output, input gradient, every weight's gradient as slices of the whole one's);
-the placement rule's fallbacks."""
+where tp does not divide a part, its fallbacks (the model dimension, or whole), equal too."""
+import functools
 import os
 import socket
 
@@ -12,21 +13,36 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from raypar.model.tensor_parallel import (Slice, from_tensor_parallel, shard_dim, slice_for, to_tensor_parallel,
-                                          vocab_parallel_cross_entropy)
+from raypar.model.tensor_parallel import (PartSplit, Slice, fallbacks, from_tensor_parallel, split_parts,
+                                          to_tensor_parallel, vocab_parallel_cross_entropy)
 
 TP = 2
 
 
-def test_a_dimension_tp_does_not_divide_falls_back_and_says_why():
-    assert shard_dim((64, 32), 0, 2) == (0, "")
-    dim, why = shard_dim((30, 64, 7), 0, 4)
-    assert dim == 1 and "dimension 0 (30) is not a multiple of tp=4; split along dimension 1 (64)" in why
-    dim, why = shard_dim((6, 9), 0, 4)
-    assert dim is None and "every tp rank holds all of it" in why
-    replicated = slice_for((6, 9), 0, rank=1, tp=4)
-    assert replicated == Slice(None, 0, 1, why) and replicated.of(torch.ones(6, 9)).shape == (6, 9)
-    piece = slice_for((8, 4), 0, rank=3, tp=4)
+def test_a_part_tp_does_not_divide_splits_the_model_dimension_else_is_whole_and_says_why():
+    from raypar.config import ModelConfig
+
+    even = ModelConfig(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2)
+    assert split_parts(even, 2) == {"attention": PartSplit("attention", "model.n_heads"),
+                                    "mlp": PartSplit("mlp", "model.ffn_dim"),
+                                    "vocabulary": PartSplit("vocabulary", "model.vocab_size")}
+    assert fallbacks(even, 2) == []
+    # Two key/value heads over tp=4; a vocabulary of 50257 (odd): both split the model dimension.
+    odd = ModelConfig(vocab_size=50257, dim=64, n_heads=4, n_kv_heads=2)
+    parts = split_parts(odd, 4)
+    assert (parts["attention"].along, parts["mlp"].along, parts["vocabulary"].along) == ("model.dim",
+                                                                                         "model.ffn_dim", "model.dim")
+    assert parts["attention"].why == ("model.n_kv_heads=2 is not a multiple of parallel.tp=4: split along "
+                                      "model.dim=64 instead (its outputs are gathered)")
+    # tp=3 divides neither the heads nor the model dimension: attention is whole on every rank.
+    whole = split_parts(ModelConfig(vocab_size=64, dim=32, n_heads=4, ffn_dim=96), 3)
+    assert whole["attention"] == PartSplit("attention", None, "parallel.tp=3 divides none of model.n_heads=4, "
+                                                              "model.n_kv_heads=4, model.dim=32: every tp worker "
+                                                              "holds it whole")
+    assert whole["mlp"].along == "model.ffn_dim" and whole["vocabulary"].along is None
+    assert fallbacks(ModelConfig(vocab_size=64, dim=32, n_heads=4, ffn_dim=96), 3) == [
+        f"tensor parallelism: {part}: {whole[part].why}" for part in ("attention", "vocabulary")]
+    piece = Slice(0, 3, 4)
     assert piece.offset((8, 4)) == (6, 0) and torch.equal(piece.of(torch.arange(32).view(8, 4)),
                                                            torch.arange(24, 32).view(2, 4))
 
@@ -74,9 +90,7 @@ def _mlp_and_loss(rank: int, group) -> dict:
     want_loss.backward()
 
     # The same split over the tp ranks: w1, w3 and head by output rows, w2 by input columns.
-    cols = slice_for((hidden, dim), 0, rank, TP)
-    rows = slice_for((dim, hidden), 1, rank, TP)
-    vocab_slice = slice_for((vocab, dim), 0, rank, TP)
+    cols, rows, vocab_slice = Slice(0, rank, TP), Slice(1, rank, TP), Slice(0, rank, TP)
     mine = {"w1": cols.of(w1), "w3": cols.of(w3), "w2": rows.of(w2), "head": vocab_slice.of(head), "x": x}
     mine = {k: t.clone().requires_grad_() for k, t in mine.items()}
     xin = to_tensor_parallel(mine["x"], group)
@@ -90,21 +104,21 @@ def _mlp_and_loss(rank: int, group) -> dict:
             **{k: (mine[k].grad, slices[k].of(full[k].grad) if k in slices else full[k].grad) for k in mine}}
 
 
-def _worker(rank: int, port: int, queue, compute) -> None:
+def _worker(rank: int, size: int, port: int, queue, compute) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         queue.put((rank, _plain(compute(rank, dist.group.WORLD))))
     finally:
         dist.destroy_process_group()
 
 
-def _on_tp_ranks(compute) -> dict:
-    """`compute(rank, group)` on TP processes of one gloo group; each rank's result."""
+def _on_tp_ranks(compute, size: int = TP) -> dict:
+    """`compute(rank, group)` on `size` processes of one gloo group; each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, compute)) for r in range(TP)]
+    procs = [ctx.Process(target=_worker, args=(r, size, port, queue, compute)) for r in range(size)]
     for p in procs:
         p.start()
     results = {r: _tensors(out) for r, out in (queue.get(timeout=180) for _ in procs)}
@@ -173,14 +187,67 @@ def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_mod
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {run}: {name}")
 
 
-def test_a_head_count_tensor_parallelism_does_not_divide_is_a_clear_error():
-    from raypar.config import ModelConfig
-    from raypar.model import Transformer
-    from raypar.model.tensor_parallel import TensorParallel
+# Where tp does not divide a part: (tp, sequence parallel, model), each against the whole model.
+FALLBACKS = {
+    # Three heads, an MLP of 45 and a vocabulary of 63 over tp=2: all three split the model
+    # dimension; with dropout.
+    "model-dim": (2, False, dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45, dropout=0.1)),
+    "model-dim-sequence-parallel": (2, True, dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45)),
+    # tp=3 divides neither the 4 heads nor dim=32: attention, embedding and head whole on
+    # every rank, the MLP (96) split by hidden units.
+    "whole-sequence-parallel": (3, True, dict(vocab_size=64, dim=32, n_heads=4, ffn_dim=96)),
+}
 
-    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=1, max_seq_len=16)
-    with pytest.raises(ValueError, match="model.n_kv_heads=1 is not a multiple of tensor-parallel size 2"):
-        Transformer(cfg, tp=TensorParallel(0, 2))
+
+def _whole_and_fallback_models(name: str, rank: int, group) -> dict:
+    from raypar.config import ModelConfig
+    from raypar.kernels import sample_seeds
+    from raypar.model import Transformer, init_weights
+    from raypar.model.tensor_parallel import TensorParallel, tp_slices
+
+    size, sequence, model = FALLBACKS[name]
+    cfg = ModelConfig(n_layers=2, max_seq_len=16, **model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    labels[0, :3] = -100
+    seeds = sample_seeds(0, 0, [0, 1])
+    tp = TensorParallel(rank, size, sequence)
+    tp.group = group
+    out = {}
+    for run, model in (("whole", Transformer(cfg)), ("tp", Transformer(cfg, tp=tp))):
+        init_weights(model, cfg, seed=3)
+        model(tokens, labels, seeds).backward()
+        sliced = tp_slices(model) if run == "tp" else {}
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if sequence and run == "tp":
+            # What the stage worker does: the whole-held weights saw this rank's tokens only.
+            for n, g in grads.items():
+                if n not in sliced:
+                    dist.all_reduce(g, group=group)
+        with torch.no_grad():
+            loss, logits = model(tokens, labels, seeds).item(), model.eval()(tokens)
+        out[run] = (loss, logits, grads, {n: piece for n, (piece, _) in sliced.items()})
+    return out
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_a_part_tp_does_not_divide_trains_as_the_whole_model(name):
+    """Loss, logits and every gradient (as this rank's slice) equal the whole model's when
+    parts fall back to splitting the model dimension, or to being whole on every rank."""
+    size = FALLBACKS[name][0]
+    results = _on_tp_ranks(functools.partial(_whole_and_fallback_models, name), size)
+    for rank, out in results.items():
+        (want_loss, want_logits, want_grads, _), (loss, logits, grads, slices) = out["whole"], out["tp"]
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"rank {rank}"
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        for name_, g in grads.items():
+            want = slices[name_].of(want_grads[name_]) if name_ in slices else want_grads[name_]
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name_}")
+        cut = {n.rsplit(".", 2)[-2]: piece.dim for n, piece in slices.items()}
+        if size == 2:  # everything split along the model dimension: wq, w1, embed by input columns
+            assert cut == {"embed": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w1": 1, "w3": 1, "w2": 0, "head": 1}
+        else:  # only the MLP split (by hidden units); attention, embedding and head whole
+            assert cut == {"w1": 0, "w3": 0, "w2": 1}
 
 
 def test_a_slice_built_on_the_meta_device_initialises_as_the_whole_models_slice():
@@ -215,6 +282,11 @@ TP_GRIDS = {
     "pp2-tp2-sequence-parallel-recompute": dict(model={"n_layers": 4}, parallel={"pp": 2, "tp": 2,
                                                                                  "sequence_parallel": True},
                                                 runtime={"recompute": "block"}),
+    # Three heads, an MLP of 45 and a vocabulary of 63: tp=2 divides none of them, so every
+    # part splits the model dimension instead; with sequence parallelism.
+    "pp2-tp2-model-dim-sequence-parallel": dict(model={"n_layers": 4, "vocab_size": 63, "dim": 24, "n_heads": 3,
+                                                       "ffn_dim": 45},
+                                                parallel={"pp": 2, "tp": 2, "sequence_parallel": True}),
     # Attention split over tp=2, every other layer's MLP too; the MoE layers whole on each tp
     # rank, their experts split over ep=2.
     "ep2-tp2-moe": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
@@ -231,6 +303,12 @@ def test_tensor_parallel_stages_match_single_process(ray_session, tmp_path, grid
     from test_pipeline_equivalence import run_plan
 
     def holds_slices(group, ref):
+        # A cell's tp workers are a placement group of their own, kept on one node.
+        import ray
+
+        cells = [group.slots[r][0].id.hex() for r in range(0, group.grid.size, 2)]
+        assert [s[0].id.hex() for s in group.slots] == [c for c in cells for _ in range(2)]
+        assert {ray.util.placement_group_table(s[0])["strategy"] for s in group.slots} == {"STRICT_PACK"}
         # Each replica's tp workers hold the model once, but for the norms every one holds
         # whole: not a copy of their stage each. (ep > 1: the dense parts are on every ep rank.)
         if group.grid.ep > 1:
@@ -244,12 +322,11 @@ def test_tensor_parallel_stages_match_single_process(ray_session, tmp_path, grid
     run_plan(tmp_path, TP_GRIDS[grid], TP_PLAN, check_group=holds_slices)
 
 
-def test_tensor_parallel_config_names_what_does_not_divide_and_what_is_not_built(tmp_path):
+def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
     from raypar.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 is not divisible by parallel.tp=4 .* "
-                                          r"parallel.tp=2 would work"):
-        load_config(None, ["model.n_heads=4", "model.n_kv_heads=2", "model.dim=64", "parallel.tp=4"])
+    # Two key/value heads over tp=4: attention splits the model dimension instead (no error).
+    assert load_config(None, ["model.n_heads=4", "model.n_kv_heads=2", "model.dim=64", "parallel.tp=4"]).parallel.tp == 4
     with pytest.raises(ConfigError, match=r"parallel.tp=2: tensor-parallel stages do not work yet with "
                                           r"parallel.shard_optimizer=True \(set false\); or use parallel.tp=1"):
         load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true"])

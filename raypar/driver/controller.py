@@ -43,6 +43,7 @@ from raypar.model import flops_per_token
 from raypar.resources import ResourceError, plan_resources
 from raypar.runtime.report import StepReport
 from raypar.schedule import build_programs, prepare, schedule_layout
+from raypar.model.tensor_parallel import fallbacks
 from raypar.topology import Grid, cells_across_nodes
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
@@ -380,6 +381,8 @@ class Controller:
         self.device = resources.device
         self.log(f"raypar: grid {self.grid} on {resources.device}, {self._schedule_label()} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
+        for line in fallbacks(self.cfg.model, self.grid.tp):
+            self.log(f"raypar: {line}")
         path = self.saver.checkpoint_path(resume, self._recovery is not None)
         init_weights = path is None
         if self.group is not None:

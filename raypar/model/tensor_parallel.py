@@ -17,10 +17,13 @@ Attention splits by heads (query heads and key/value groups: column-parallel wq,
 row-parallel wo) and the SwiGLU MLP is column- then row-parallel (w1, w3 then w2), so a
 block costs two all-reduces forward and two backward.
 
-Which dimension of a weight a rank holds a slice of follows `shard_dim`: the preferred one
-when tp divides it, else the largest other dimension that tp divides, else none (every rank
-holds all of it, and says why). Slices are named by the global tensor they come from
-(`Slice`), so a checkpoint keeps pieces of the global tensors and loads on any tp.
+Where tp does not divide a part's preferred dimension (heads, hidden units, vocabulary),
+`split_parts` falls back to the model dimension, the other dimension of its weights: each
+rank multiplies its slice of the input features, the partial products are summed, the part
+runs whole on every rank between its linears, and the output's feature slices are
+gathered (more traffic, the same memory saving). When tp divides neither, every rank holds
+the part whole. The driver logs each fallback. Slices are named by the global tensor they
+come from (`Slice`), so a checkpoint keeps pieces of the global tensors and loads on any tp.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from raypar.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -53,24 +58,48 @@ class Slice:
         return tuple(self.index * shape[d] // self.parts if d == self.dim else 0 for d in range(len(shape)))
 
 
-def shard_dim(shape: tuple[int, ...], preferred: int, tp: int) -> tuple[int | None, str]:
-    """The dimension of a tensor of `shape` to split over `tp` ranks: `preferred` when tp
-    divides it, else the largest other dimension tp divides, else None (replicated). Returns
-    it and, when it is not `preferred`, why."""
-    if tp == 1 or shape[preferred] % tp == 0:
-        return preferred, ""
-    others = sorted((d for d in range(len(shape)) if d != preferred and shape[d] % tp == 0),
-                    key=lambda d: -shape[d])
-    if others:
-        return others[0], (f"dimension {preferred} ({shape[preferred]}) is not a multiple of tp={tp}; "
-                           f"split along dimension {others[0]} ({shape[others[0]]}) instead")
-    return None, (f"no dimension of {tuple(shape)} is a multiple of tp={tp}; every tp rank holds all of it")
+# The parts of a stage tp splits, each by the model keys whose sizes it prefers to cut.
+PREFERRED = {
+    "attention": ("model.n_heads", "model.n_kv_heads"),
+    "mlp": ("model.ffn_dim",),  # the dense MLPs (their hidden size): MoE layers are whole on every tp rank
+    "vocabulary": ("model.vocab_size",),  # the embedding and the head
+}
 
 
-def slice_for(shape: tuple[int, ...], preferred: int, rank: int, tp: int) -> Slice:
-    dim, why = shard_dim(shape, preferred, tp)
-    return Slice(dim, rank if dim is not None else 0, tp if dim is not None else 1,
-                 why if dim is None else "")
+@dataclass(frozen=True)
+class PartSplit:
+    """How one part of the model is split over the tp ranks: `along` the model key whose
+    size each rank holds a slice of (its first preferred key, or "model.dim" as the
+    fallback), None when every rank holds the part whole; `why` when it is not the
+    preferred split."""
+    part: str
+    along: str | None
+    why: str = ""
+
+
+def split_parts(cfg: ModelConfig, tp: int) -> dict[str, PartSplit]:
+    """How `PREFERRED`'s parts split over `tp` ranks: along their preferred keys when tp
+    divides all of them, else along model.dim when tp divides it, else whole."""
+    sizes = {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_dim": cfg.hidden_dim,
+             "model.vocab_size": cfg.vocab_size}
+    out = {}
+    for part, keys in PREFERRED.items():
+        odd = [f"{key}={sizes[key]}" for key in keys if sizes[key] % tp]
+        if not odd:
+            out[part] = PartSplit(part, keys[0])
+        elif cfg.dim % tp == 0:
+            out[part] = PartSplit(part, "model.dim", f"{' and '.join(odd)} {'is not a multiple' if len(odd) == 1 else 'are not multiples'} "
+                                                     f"of parallel.tp={tp}: split along model.dim={cfg.dim} "
+                                                     f"instead (its outputs are gathered)")
+        else:
+            out[part] = PartSplit(part, None, f"parallel.tp={tp} divides none of {', '.join(odd)}, model.dim={cfg.dim}: "
+                                              f"every tp worker holds it whole")
+    return out
+
+
+def fallbacks(cfg: ModelConfig, tp: int) -> list[str]:
+    """One line per part that does not split as preferred (what a plan says)."""
+    return [f"tensor parallelism: {split.part}: {split.why}" for split in split_parts(cfg, tp).values() if split.why]
 
 
 class _ToTensorParallel(torch.autograd.Function):
@@ -179,12 +208,36 @@ class TensorParallel:
         """Row-parallel layers' partial outputs summed into what the residual stream holds."""
         return reduce_scatter_sequence(x, self.group) if self.sequence else from_tensor_parallel(x, self.group)
 
-    def split(self, what: str, n: int) -> int:
-        """n / size, for `what` (a model key) that must divide evenly; a clear error if not."""
-        if n % self.size:
-            raise ValueError(f"{what}={n} is not a multiple of tensor-parallel size {self.size}: "
-                             f"choose a tp that divides it")
-        return n // self.size
+    def part(self, cfg: ModelConfig, name: str) -> PartSplit:
+        """How `name` (a key of `PREFERRED`) of a model of `cfg` splits over these ranks."""
+        return split_parts(cfg, self.size)[name]
+
+    # A part split along model.dim (see the module): its input's feature slice, the sum of
+    # the partial products, the whole activation going into the next split linear, and its
+    # output's feature slices gathered into what the residual stream holds.
+
+    def feature_slice(self, x: Tensor) -> Tensor:
+        return self.enter(x).chunk(self.size, dim=-1)[self.rank]
+
+    def sum_partials(self, y: Tensor) -> Tensor:
+        return from_tensor_parallel(y, self.group)
+
+    def into_split(self, a: Tensor) -> Tensor:
+        return to_tensor_parallel(a, self.group)
+
+    def gather_features(self, y: Tensor) -> Tensor:
+        y = gather_from_tensor_parallel(y, self.group)
+        return split_sequence(y, self.group) if self.sequence else y
+
+    # A part every rank holds whole. Under sequence parallelism it runs on the whole sequence
+    # and keeps this rank's slice of its output: its weights' gradients are then partial, and
+    # are summed over tp with the norms'.
+
+    def whole_in(self, x: Tensor) -> Tensor:
+        return gather_sequence(x, self.group) if self.sequence else x
+
+    def whole_out(self, y: Tensor) -> Tensor:
+        return y.chunk(self.size, dim=1)[self.rank].contiguous() if self.sequence else y
 
     def mark(self, module: torch.nn.Module, param: str, global_shape: tuple[int, ...], dim: int) -> None:
         """Record that `module`'s parameter `param` is this rank's slice along `dim` of a
@@ -268,6 +321,26 @@ class _SequenceExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return (_reduce_scatter_dim1 if ctx.gather else _gather_dim1)(grad, ctx.group), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """This rank's slice of a sequence every rank holds whole (and the same on every rank);
+    backward gathers the ranks' gradients of their slices into the whole one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather_dim1(grad, ctx.group), None
+
+
+def split_sequence(x: Tensor, group) -> Tensor:
+    """[b, t, ...], the same on every rank, to this rank's [b, t / tp, ...] slice."""
+    return x if group is None else _SplitSequence.apply(x, group)
 
 
 def gather_sequence(x: Tensor, group) -> Tensor:

@@ -53,31 +53,50 @@ def param_dtype(cfg: ModelConfig) -> torch.dtype:
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped key/value heads. With `tp`,
     this rank holds n_heads / tp query heads and n_kv_heads / tp key/value heads (wq, wk,
-    wv by output rows, wo by input columns: `tensor_parallel`)."""
+    wv by output rows, wo by input columns: `tensor_parallel`), or, where tp does not divide
+    the head counts, a slice of the model dimension (wq, wk, wv by input columns, wo by
+    output rows; every head on every rank), or all of it."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.tp = tp
+        self.along = tp.part(cfg, "attention").along if tp else None
+        by_heads, by_dim = self.along == "model.n_heads", self.along == "model.dim"
         self.head_dim = cfg.dim // cfg.n_heads
-        self.n_heads = tp.split("model.n_heads", cfg.n_heads) if tp else cfg.n_heads
-        self.n_kv_heads = tp.split("model.n_kv_heads", cfg.kv_heads) if tp else cfg.kv_heads
-        self.wq = Linear(cfg.dim, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wk = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wv = Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wo = Linear(self.n_heads * self.head_dim, cfg.dim, bias=False, dtype=dtype)
-        if tp:
+        self.n_heads = cfg.n_heads // tp.size if by_heads else cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads // tp.size if by_heads else cfg.kv_heads
+        width = cfg.dim // tp.size if by_dim else cfg.dim
+        self.wq = Linear(width, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = Linear(width, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wv = Linear(width, self.n_kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wo = Linear(self.n_heads * self.head_dim, width, bias=False, dtype=dtype)
+        if by_heads or by_dim:
             for w, heads in ((self.wq, cfg.n_heads), (self.wk, cfg.kv_heads), (self.wv, cfg.kv_heads)):
-                tp.mark(w, "weight", (heads * self.head_dim, cfg.dim), 0)
-            tp.mark(self.wo, "weight", (cfg.dim, cfg.n_heads * self.head_dim), 1)
+                tp.mark(w, "weight", (heads * self.head_dim, cfg.dim), 1 if by_dim else 0)
+            tp.mark(self.wo, "weight", (cfg.dim, cfg.n_heads * self.head_dim), 0 if by_dim else 1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        if self.tp:
-            x = self.tp.enter(x)
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        tp = self.tp
+        if tp is None:
+            return self.wo(self._attend(self.wq(x), self.wk(x), self.wv(x), cos, sin))
+        if self.along == "model.n_heads":
+            x = tp.enter(x)
+            return tp.leave(self.wo(self._attend(self.wq(x), self.wk(x), self.wv(x), cos, sin)))
+        if self.along == "model.dim":
+            x = tp.feature_slice(x)
+            q, k, v = (tp.sum_partials(w(x)) for w in (self.wq, self.wk, self.wv))
+            return tp.gather_features(self.wo(tp.into_split(self._attend(q, k, v, cos, sin))))
+        x = tp.whole_in(x)
+        return tp.whole_out(self.wo(self._attend(self.wq(x), self.wk(x), self.wv(x), cos, sin)))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attention of this rank's heads from their projections [b, t, heads * head_dim];
+        [b, t, n_heads * head_dim], the input of wo."""
+        b, t, _ = q.shape
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
@@ -86,8 +105,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-        return self.tp.leave(out) if self.tp else out
+        return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
 
 def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
@@ -103,9 +121,11 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
         # Experts split over ep, not tp: under tp every tp rank runs the layer whole on the
         # same tokens (its input and output are whole on every rank, as around a norm).
         return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
-    if tp:
-        return ParallelFeedForward(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg))
-    return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
+    along = tp.part(cfg, "mlp").along if tp else None
+    kind = {None: WholeFeedForward if tp else FeedForward, "model.ffn_dim": ParallelFeedForward,
+            "model.dim": FeatureParallelFeedForward}[along]
+    return kind(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg)) if tp else kind(cfg.dim, cfg.hidden_dim,
+                                                                                        dtype=param_dtype(cfg))
 
 
 class ParallelFeedForward(FeedForward):
@@ -114,7 +134,7 @@ class ParallelFeedForward(FeedForward):
     gradient)."""
 
     def __init__(self, dim: int, hidden_dim: int, tp: TensorParallel, dtype: torch.dtype | None = None) -> None:
-        super().__init__(dim, tp.split("model.hidden_dim", hidden_dim), dtype=dtype)
+        super().__init__(dim, hidden_dim // tp.size, dtype=dtype)
         self.tp = tp
         tp.mark(self.w1, "weight", (hidden_dim, dim), 0)
         tp.mark(self.w3, "weight", (hidden_dim, dim), 0)
@@ -122,6 +142,37 @@ class ParallelFeedForward(FeedForward):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.tp.leave(super().forward(self.tp.enter(x)))
+
+
+class FeatureParallelFeedForward(FeedForward):
+    """The SwiGLU MLP over `tp` ranks where tp does not divide its hidden size: w1 and w3 by
+    input columns, w2 by output rows (slices of the model dimension); the hidden activations
+    are summed and whole on every rank, the outputs gathered."""
+
+    def __init__(self, dim: int, hidden_dim: int, tp: TensorParallel, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim // tp.size, hidden_dim, dtype=dtype)
+        self.tp = tp
+        tp.mark(self.w1, "weight", (hidden_dim, dim), 1)
+        tp.mark(self.w3, "weight", (hidden_dim, dim), 1)
+        tp.mark(self.w2, "weight", (dim, hidden_dim), 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tp = self.tp
+        x = tp.feature_slice(x)
+        hidden = F.silu(tp.sum_partials(self.w1(x))) * tp.sum_partials(self.w3(x))
+        return tp.gather_features(self.w2(tp.into_split(hidden)))
+
+
+class WholeFeedForward(FeedForward):
+    """The SwiGLU MLP held whole on every one of `tp` ranks (tp divides neither its hidden
+    size nor the model dimension)."""
+
+    def __init__(self, dim: int, hidden_dim: int, tp: TensorParallel, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, hidden_dim, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.whole_out(super().forward(self.tp.whole_in(x)))
 
 
 class Block(nn.Module):
@@ -212,23 +263,27 @@ class Transformer(nn.Module):
 
         tp = self.tp
         # With tensor parallelism the embedding and the head hold this rank's slice of the
-        # vocabulary (ids vocab_first .. vocab_first + vocab_size / tp - 1).
-        vocab = tp.split("model.vocab_size", cfg.vocab_size) if tp else cfg.vocab_size
-        self.vocab_first = tp.rank * vocab if tp else 0
+        # vocabulary (ids vocab_first .. vocab_first + vocab_size / tp - 1), or where tp does
+        # not divide it, of the model dimension, or all of it.
+        self.vocab_along = tp.part(cfg, "vocabulary").along if tp else None
+        by_vocab, by_dim = self.vocab_along == "model.vocab_size", self.vocab_along == "model.dim"
+        vocab = cfg.vocab_size // tp.size if by_vocab else cfg.vocab_size
+        width = cfg.dim // tp.size if by_dim else cfg.dim
+        self.vocab_first = tp.rank * vocab if by_vocab else 0
         if has_embed:
             # Given its (uninitialised) weight, the embedding skips its own normal_ draw, which
             # on the meta device imports torch's compiler stack (a second of every worker's start);
             # init_weights fills it.
-            self.embed = nn.Embedding(vocab, cfg.dim, _weight=torch.empty(vocab, cfg.dim, dtype=dtype))
-            if tp:
-                tp.mark(self.embed, "weight", (cfg.vocab_size, cfg.dim), 0)
+            self.embed = nn.Embedding(vocab, width, _weight=torch.empty(vocab, width, dtype=dtype))
+            if by_vocab or by_dim:
+                tp.mark(self.embed, "weight", (cfg.vocab_size, cfg.dim), 1 if by_dim else 0)
         self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp) for i in ids})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
-            self.head = Linear(cfg.dim, vocab, bias=False, dtype=dtype)
-            if tp:
-                tp.mark(self.head, "weight", (cfg.vocab_size, cfg.dim), 0)
+            self.head = Linear(width, vocab, bias=False, dtype=dtype)
+            if by_vocab or by_dim:
+                tp.mark(self.head, "weight", (cfg.vocab_size, cfg.dim), 1 if by_dim else 0)
 
         # Non-persistent: derived from cfg, so they stay out of checkpoints and names.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -262,8 +317,7 @@ class Transformer(nn.Module):
         if self.embed_chunk == chunk:
             if x.dtype.is_floating_point:
                 raise TypeError(f"this stage embeds tokens and expects integer token ids [b, t], got {x.dtype}")
-            h = (vocab_parallel_embedding(x, self.embed.weight, self.vocab_first, self.tp.group, self.tp.sequence)
-                 if self.tp else self.embed(x))
+            h = self._embed(x)
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
                 raise ValueError(f"this stage expects hidden states [b, t, {self.cfg.dim}], got shape {tuple(x.shape)}")
@@ -288,17 +342,42 @@ class Transformer(nn.Module):
             if labels is not None:
                 raise ValueError("labels were given to a stage without the output head")
             return h
-        if self.tp:
+        return self._head(self.norm(h), labels)
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        tp = self.tp
+        if tp is None:
+            return self.embed(tokens)
+        if self.vocab_along == "model.vocab_size":
+            return vocab_parallel_embedding(tokens, self.embed.weight, self.vocab_first, tp.group, tp.sequence)
+        if self.vocab_along == "model.dim":
+            return tp.gather_features(self.embed(tokens))
+        return tp.whole_out(self.embed(tokens))
+
+    def _head(self, h: Tensor, labels: Tensor | None) -> Tensor:
+        """The loss (mean over the tokens whose label is not -100, in fp32) or the logits
+        from the final norm's output `h`."""
+        tp = self.tp
+        if tp is not None and self.vocab_along == "model.vocab_size":
             # This rank's vocabulary slice of the logits; the loss never gathers them.
-            logits = self.head(self.tp.enter(self.norm(h)))
+            logits = self.head(tp.enter(h))
             if labels is None:
-                return gather_from_tensor_parallel(logits, self.tp.group)
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_first,
-                                                self.tp.group)
-        logits = self.head(self.norm(h))
+                return gather_from_tensor_parallel(logits, tp.group)
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_first, tp.group)
+        if tp is not None and self.vocab_along == "model.dim":
+            logits = tp.sum_partials(self.head(tp.feature_slice(h)))
+        elif tp is not None and tp.sequence:
+            # The head whole on every rank, each on its slice of the sequence: the loss is the
+            # sum of the ranks' token losses over all the tokens.
+            if labels is None:
+                return self.head(tp.whole_in(h))
+            logits = self.head(h)
+            mine = F.cross_entropy(logits.float().flatten(0, 1), tp.whole_out(labels).flatten(), reduction="sum")
+            return tp.sum_partials(mine) / (labels != -100).sum().clamp(min=1)
+        else:
+            logits = self.head(h)
         if labels is None:
             return logits
-        # Mean over the micro-batch's tokens (labels == -100 are ignored), in fp32.
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
