@@ -40,13 +40,23 @@ def test_resume_equals_an_uninterrupted_run(ray_session, tmp_path, data):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.fixture(scope="module")
+def moe_source(ray_session, tmp_path_factory):
+    """An MoE run on dp=1 x pp=2 x ep=2 with checkpoints at steps 3 and 6 (one for every target)."""
+    from raypar.data import write_synthetic_corpus
+
+    tmp_path = tmp_path_factory.mktemp("moe-source")
+    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
+    return tmp_path, Trainer(config(tmp_path, "source", grid=(1, 2, 2), steps=6, every=3, model=MOE)).fit()
+
+
 @pytest.mark.parametrize("target", [(1, 1, 1), (1, 4, 1)], ids=lambda g: "x".join(map(str, g)))
-def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data, target):
-    source = Trainer(config(tmp_path, "source", grid=(1, 2, 2), steps=6, every=3, model=MOE)).fit()
-    saved = checkpoint_dir(tmp_path / "source" / "ckpt", 3)
+def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data, target, moe_source):
+    source_dir, source = moe_source
+    saved = checkpoint_dir(source_dir / "source" / "ckpt", 3)
     moved = Trainer(config(tmp_path, "target", grid=target, steps=6, every=3, model=MOE, resume=str(saved))).fit()
     assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in source.records[3:]], rel=1e-5)
-    a, b = weights(latest(tmp_path / "source" / "ckpt")), weights(latest(tmp_path / "target" / "ckpt"))
+    a, b = weights(latest(source_dir / "source" / "ckpt")), weights(latest(tmp_path / "target" / "ckpt"))
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

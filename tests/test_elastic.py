@@ -257,6 +257,27 @@ def test_plan_shrinks_dp_first_then_resplits():
     assert plan_grid(cfg, 3, min_workers=4) is None
 
 
+def test_plan_keeps_tp_while_a_grid_with_it_fits_and_a_node_holds_a_cell():
+    from raypar.driver.policies import with_plan
+
+    cfg = config_from_dict({"model": {"n_layers": 4, "n_heads": 4}, "parallel": {"dp": 2, "pp": 2, "tp": 2,
+                                                                                  "sequence_parallel": True},
+                            "data": {"seq_len": 8}, "train": {"global_batch_size": 16}})
+    assert plan_grid(cfg, 8) == Plan(Grid(2, 2, 1, 2), 1)
+    assert plan_grid(cfg, 7) == Plan(Grid(1, 2, 1, 2), 2)  # dp halves first, tp and pp kept
+    assert plan_grid(cfg, 3).grid == Grid(1, 1, 1, 2)  # pp re-split before tp changes
+    # One worker left, or nodes of one worker each: tp=1, and sequence parallelism goes with it.
+    assert plan_grid(cfg, 1).grid == Grid(1, 1, 1, 1)
+    small_nodes = plan_grid(cfg, 8, node_room=1)
+    assert small_nodes.grid == Grid(2, 4, 1, 1)  # the pipeline takes the workers tp gave up
+    parallel = with_plan(cfg, small_nodes).parallel
+    assert (parallel.tp, parallel.pp, parallel.sequence_parallel) == (1, 4, False)
+    assert with_plan(cfg, plan_grid(cfg, 8, node_room=3)).parallel.sequence_parallel
+    # Sequence parallelism needs data.seq_len a multiple of tp: tp=3 (nodes of 3) is passed over.
+    three = config_from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"], "tp": 4}})
+    assert plan_grid(three, 16, node_room=3).grid.tp == 2
+
+
 def test_state_machine_rejects_impossible_transitions():
     m = StateMachine()
     m.to(State.STARTING)

@@ -445,7 +445,7 @@ class Controller:
         while True:
             # Workers kept after a failure (and their free bundles) count beside free resources.
             slots = self._slots(ray.available_resources()) + (self.group.reserve.usable_slots() if self.group else 0)
-            plan = plan_grid(self.base_cfg, slots, e.min_workers)
+            plan = plan_grid(self.base_cfg, slots, e.min_workers, self._node_room())
             if plan is not None:
                 return plan
             if time.monotonic() >= deadline:
@@ -463,7 +463,7 @@ class Controller:
         # Bundles the group still holds (e.g. placed again on a returned node) count as free.
         slots = (self._slots(ray.available_resources()) + self.grid.size
                  + self.group.reserve.free_slots_on_live_nodes())
-        return grow_plan(self.base_cfg, self.grid, slots)
+        return grow_plan(self.base_cfg, self.grid, slots, self._node_room())
 
     def _adopt(self, plan: Plan) -> None:
         if plan.grid != self.grid or plan.microbatches != self.cfg.parallel.microbatches:
@@ -523,6 +523,12 @@ class Controller:
 
     def _slots(self, resources: dict[str, float]) -> int:
         return worker_slots(resources, self.cfg.runtime.cpus_per_worker, self._device())
+
+    def _node_room(self) -> int | None:
+        """With tp: the most workers one live node holds (a cell's tp workers share a node)."""
+        if self.base_cfg.parallel.tp == 1:
+            return None
+        return max((self._slots(n["Resources"]) for n in ray.nodes() if n.get("Alive")), default=0)
 
     def _device(self) -> str:
         """The device workers get: as placed, or as planning for this cluster would choose."""

@@ -30,6 +30,8 @@ def _fits(cfg: Config, grid: Grid, microbatch_size: int) -> Plan | None:
         return None
     if isinstance(cfg.parallel.layers_per_stage, list) and grid.pp != cfg.parallel.pp:
         return None  # an explicit split belongs to its pipeline depth ("auto" splits any)
+    if cfg.parallel.sequence_parallel and grid.tp > 1 and cfg.data.seq_len % grid.tp:
+        return None  # each tp worker holds an equal slice of the sequence
     share, rest = divmod(cfg.train.global_batch_size, grid.data_parallel_size)
     if rest or share == 0:
         return None
@@ -40,46 +42,54 @@ def _fits(cfg: Config, grid: Grid, microbatch_size: int) -> Plan | None:
     return Plan(grid, microbatches)
 
 
-def plan_grid(cfg: Config, workers: int, min_workers: int = 1) -> Plan | None:
+def plan_grid(cfg: Config, workers: int, min_workers: int = 1, node_room: int | None = None) -> Plan | None:
     """The grid for `workers` available worker slots, or None if nothing fits.
 
-    Shrinks dp first (same pp and ep); only when no dp fits does it re-split pp and ep,
+    Shrinks dp first (same pp, ep and tp); only when no dp fits does it re-split pp and ep,
     preferring more workers, then the configured pipeline depth and expert split. The
     global batch never changes: each replica gets a larger share, run as more micro-batches
-    of the same size.
+    of the same size. tp changes only where the configured one cannot work: when no grid
+    with it fits, or a node holds fewer than `node_room` workers (a cell's tp workers share
+    a node); then the largest smaller tp that fits, its parts split as that tp allows
+    (`tensor_parallel.split_parts`).
     """
     p = cfg.parallel
     mb = cfg.microbatch_size
-    for dp in range(p.dp, 0, -1):
-        grid = Grid(dp, p.pp, p.ep, p.tp)
-        if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
-            return plan
-    candidates = []
-    for pp in range(1, cfg.model.n_layers + 1):
-        for ep in range(1, max(cfg.model.n_experts, 1) + 1):
-            for dp in range(1, p.dp + 1):
-                grid = Grid(dp, pp, ep, p.tp)
-                if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
-                    candidates.append(plan)
-    if not candidates:
-        return None
-    return max(candidates, key=lambda c: (c.grid.size, -abs(c.grid.pp - p.pp), -abs(c.grid.ep - p.ep), c.grid.dp))
+    most_tp = p.tp if node_room is None else max(1, min(p.tp, node_room))
+    if most_tp == p.tp:
+        for dp in range(p.dp, 0, -1):
+            grid = Grid(dp, p.pp, p.ep, p.tp)
+            if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
+                return plan
+    for tp in range(most_tp, 0, -1):
+        candidates = []
+        for pp in range(1, cfg.model.n_layers + 1):
+            for ep in range(1, max(cfg.model.n_experts, 1) + 1):
+                for dp in range(1, p.dp + 1):
+                    grid = Grid(dp, pp, ep, tp)
+                    if min_workers <= grid.size <= workers and (plan := _fits(cfg, grid, mb)):
+                        candidates.append(plan)
+        if candidates:
+            return max(candidates, key=lambda c: (c.grid.size, -abs(c.grid.pp - p.pp), -abs(c.grid.ep - p.ep),
+                                                  c.grid.dp))
+    return None
 
 
-def grow_plan(cfg: Config, grid: Grid, slots: int) -> Plan | None:
+def grow_plan(cfg: Config, grid: Grid, slots: int, node_room: int | None = None) -> Plan | None:
     """A larger grid to grow to, when `slots` workers fit (the running grid's included) and
     the run is below its configured grid; else None."""
     e = cfg.elastic
     if not (e.enabled and e.grow) or grid == cfg.parallel.grid:
         return None
-    plan = plan_grid(cfg, slots, e.min_workers)
+    plan = plan_grid(cfg, slots, e.min_workers, node_room)
     return plan if plan is not None and plan.grid.size > grid.size else None
 
 
 def with_plan(cfg: Config, plan: Plan) -> Config:
     """The config the workers of a re-planned grid run with."""
-    parallel = replace(cfg.parallel, dp=plan.grid.dp, pp=plan.grid.pp, ep=plan.grid.ep,
-                       microbatches=plan.microbatches)
+    parallel = replace(cfg.parallel, dp=plan.grid.dp, pp=plan.grid.pp, ep=plan.grid.ep, tp=plan.grid.tp,
+                       microbatches=plan.microbatches,
+                       sequence_parallel=cfg.parallel.sequence_parallel and plan.grid.tp > 1)
     new = replace(cfg, parallel=parallel)
     try:
         validate(new)
