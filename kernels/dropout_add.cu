@@ -1,6 +1,8 @@
 // out = residual + dropout(x): the mask is a hash of (sample seed, element index within the
 // sample, site salt), so backward and recompute regenerate it instead of storing it, and a
-// sample's mask does not depend on which micro-batch or replica carries it.
+// sample's mask does not depend on which micro-batch or replica carries it. `first`: the
+// index within the whole sample of each row's first element (a tensor-parallel rank's slice
+// of the sequence starts there; even on the vector path).
 // kernels/residual_dropout.py holds the same hash in torch (the CPU path and the reference).
 //
 // One 32-bit hash gives two 16-bit uniforms, for elements 2q and 2q+1: the hash is the
@@ -43,7 +45,8 @@ __device__ __forceinline__ void keep_flags(unsigned key, unsigned e0, unsigned t
 
 template <class D, int W>
 __device__ void dropout_add(const typename D::T* x, const typename D::T* residual, const i64* seeds,
-                            typename D::T* out, i64 per_sample, unsigned salt, unsigned threshold, float scale) {
+                            typename D::T* out, i64 per_sample, i64 first, unsigned salt, unsigned threshold,
+                            float scale) {
   typedef typename D::T T;
   const i64 base = (i64)blockIdx.y * (per_sample / W);
   const unsigned key = sample_key((unsigned long long)seeds[blockIdx.y], salt);
@@ -64,7 +67,7 @@ __device__ void dropout_add(const typename D::T* x, const typename D::T* residua
       const unsigned c = c0 + u * stride;
       if (c >= chunks) continue;
       bool keep[W];
-      keep_flags<W>(key, c * W, threshold, keep);
+      keep_flags<W>(key, (unsigned)first + c * W, threshold, keep);
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const float kept = keep[j] ? D::to(xv[u].v[j]) * scale : 0.f;
@@ -78,7 +81,7 @@ __device__ void dropout_add(const typename D::T* x, const typename D::T* residua
 // grad_x = grad * mask * scale (the residual's gradient is grad itself).
 template <class D, int W>
 __device__ void dropout_grad(const typename D::T* grad, const i64* seeds, typename D::T* grad_x,
-                             i64 per_sample, unsigned salt, unsigned threshold, float scale) {
+                             i64 per_sample, i64 first, unsigned salt, unsigned threshold, float scale) {
   typedef typename D::T T;
   const i64 base = (i64)blockIdx.y * (per_sample / W);
   const unsigned key = sample_key((unsigned long long)seeds[blockIdx.y], salt);
@@ -94,7 +97,7 @@ __device__ void dropout_grad(const typename D::T* grad, const i64* seeds, typena
       const unsigned c = c0 + u * stride;
       if (c >= chunks) continue;
       bool keep[W];
-      keep_flags<W>(key, c * W, threshold, keep);
+      keep_flags<W>(key, (unsigned)first + c * W, threshold, keep);
 #pragma unroll
       for (int j = 0; j < W; ++j) g[u].v[j] = keep[j] ? D::from(D::to(g[u].v[j]) * scale) : (T)0;
       store_pack<T, W>(grad_x, base + c, g[u]);
@@ -104,14 +107,14 @@ __device__ void dropout_grad(const typename D::T* grad, const i64* seeds, typena
 
 #define DROPOUT(NAME, D, W)                                                                          \
   extern "C" __global__ void dropout_add_##NAME(const D::T* x, const D::T* residual, const i64* seeds, \
-                                                D::T* out, i64 per_sample, unsigned salt,              \
+                                                D::T* out, i64 per_sample, i64 first, unsigned salt,   \
                                                 unsigned threshold, float scale) {                     \
-    dropout_add<D, W>(x, residual, seeds, out, per_sample, salt, threshold, scale);                    \
+    dropout_add<D, W>(x, residual, seeds, out, per_sample, first, salt, threshold, scale);             \
   }                                                                                                    \
   extern "C" __global__ void dropout_grad_##NAME(const D::T* grad, const i64* seeds, D::T* grad_x,     \
-                                                 i64 per_sample, unsigned salt, unsigned threshold,    \
-                                                 float scale) {                                        \
-    dropout_grad<D, W>(grad, seeds, grad_x, per_sample, salt, threshold, scale);                       \
+                                                 i64 per_sample, i64 first, unsigned salt,             \
+                                                 unsigned threshold, float scale) {                    \
+    dropout_grad<D, W>(grad, seeds, grad_x, per_sample, first, salt, threshold, scale);                \
   }
 
 DROPOUT(f32_v, F32, 4)

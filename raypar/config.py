@@ -82,7 +82,7 @@ class ParallelConfig:
     # With tp: norms, residuals and the hidden states sent between stages hold each tp
     # worker's slice of the sequence rather than all of it (activation memory and pipeline
     # sends / tp); the split layers gather and reduce-scatter instead of all-reducing.
-    # Needs data.seq_len a multiple of tp, no dropout and no MoE layers
+    # Needs data.seq_len a multiple of tp and no MoE layers
     sequence_parallel: bool = False
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
@@ -456,7 +456,7 @@ def _check_sequence_parallel(cfg: Config) -> None:
     if cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={cfg.data.seq_len} is not a multiple of "
                           f"parallel.tp={p.tp}")
-    off = {"model.dropout": (m.dropout, "0"), "model.n_experts": (m.n_experts, "0")}
+    off = {"model.n_experts": (m.n_experts, "0")}
     on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
     if on:
         raise ConfigError("parallel.sequence_parallel=true does not work yet with " + ", ".join(on)

@@ -130,6 +130,13 @@ def test_dropout_add_matches_reference(shape, dtype, p):
     for name, g, r in zip(("out", "grad x", "grad residual"), run(), _reference(run)):
         assert not torch.isnan(g).any(), f"{name}: unwritten (NaN) elements"
         torch.testing.assert_close(g, r, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+    # A slice of the sequence (sequence parallelism) from an even and an odd element: its
+    # part of the whole sample's mask, on the vector and the scalar path.
+    for first in (2 * shape[-1], 3):
+        part = kernels.dropout_add(torch.ones(shape, device="cuda", dtype=dtype),
+                                   torch.zeros(shape, device="cuda", dtype=dtype), seeds, p, salt, first)
+        want = kernels.keep_mask(seeds, ones[0].numel(), salt, p, first).reshape(shape)
+        assert torch.equal(part != 0, want), first
 
 
 def test_dropout_add_float64_falls_back_and_says_so(capsys):

@@ -42,6 +42,13 @@ def test_keep_mask_rate_and_independence():
     assert not torch.equal(seeds, later)
     # A sample's seed does not depend on its neighbours in the batch.
     assert kernels.sample_seeds(3, 5, [2])[0] == seeds[2]
+    # A slice of each sample from element `first` on (odd too) draws its part of the whole mask.
+    for first in (0, 7, 20_000):
+        part = kernels.keep_mask(seeds, 1000, kernels.site_salt(0, 0), p=0.25, first=first)
+        assert torch.equal(part, mask[:, first:first + 1000])
+    x, res = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    whole = kernels.dropout_add(x, res, seeds, 0.25, 9)
+    assert torch.equal(kernels.dropout_add(x[:, 1:], res[:, 1:], seeds, 0.25, 9, first=8), whole[:, 1:])
 
 
 def test_dropout_add_reference_is_the_dropout_formula():

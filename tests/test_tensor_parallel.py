@@ -192,10 +192,10 @@ FALLBACKS = {
     # Three heads, an MLP of 45 and a vocabulary of 63 over tp=2: all three split the model
     # dimension; with dropout.
     "model-dim": (2, False, dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45, dropout=0.1)),
-    "model-dim-sequence-parallel": (2, True, dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45)),
+    "model-dim-sequence-parallel": (2, True, dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45, dropout=0.1)),
     # tp=3 divides neither the 4 heads nor dim=32: attention, embedding and head whole on
     # every rank, the MLP (96) split by hidden units.
-    "whole-sequence-parallel": (3, True, dict(vocab_size=64, dim=32, n_heads=4, ffn_dim=96)),
+    "whole-sequence-parallel": (3, True, dict(vocab_size=64, dim=32, n_heads=4, ffn_dim=96, dropout=0.1)),
 }
 
 
@@ -278,10 +278,10 @@ TP_GRIDS = {
     "dp2-tp2-dropout-recompute": dict(model={"n_layers": 2, "dropout": 0.2}, parallel={"dp": 2, "tp": 2},
                                       train={"global_batch_size": 16}, runtime={"recompute": "block"}),
     # Sequence parallelism: norms, residuals and the hidden states between stages hold each
-    # tp rank's half of the sequence.
-    "pp2-tp2-sequence-parallel-recompute": dict(model={"n_layers": 4}, parallel={"pp": 2, "tp": 2,
-                                                                                 "sequence_parallel": True},
-                                                runtime={"recompute": "block"}),
+    # tp rank's half of the sequence (and take that half of each sample's dropout mask).
+    "pp2-tp2-sequence-parallel-dropout-recompute": dict(model={"n_layers": 4, "dropout": 0.2},
+                                                        parallel={"pp": 2, "tp": 2, "sequence_parallel": True},
+                                                        runtime={"recompute": "block"}),
     # Three heads, an MLP of 45 and a vocabulary of 63: tp=2 divides none of them, so every
     # part splits the model dimension instead; with sequence parallelism.
     "pp2-tp2-model-dim-sequence-parallel": dict(model={"n_layers": 4, "vocab_size": 63, "dim": 24, "n_heads": 3,
@@ -335,8 +335,8 @@ def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true splits the sequence .* parallel.tp=1"):
         load_config(None, ["parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not work yet with "
-                                          r"model.dropout=0.1 \(set 0\)"):
-        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"])
+                                          r"model.n_experts=4 \(set 0\)"):
+        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.n_experts=4"])
 
 
 def test_a_run_split_over_tp_trains_as_the_run_without_and_its_checkpoint_loads_on_any_tp(ray_session, tmp_path):

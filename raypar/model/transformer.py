@@ -182,6 +182,7 @@ class Block(nn.Module):
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
         self.dropout = cfg.dropout
+        self.tp = tp
         # Norms and the residual stream are whole on every tensor-parallel rank (with
         # sequence parallelism, each rank's slice of the sequence).
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
@@ -199,7 +200,9 @@ class Block(nn.Module):
         if seeds is None:
             raise ValueError("model.dropout > 0 needs one dropout seed per sample in training: pass "
                              "seeds=raypar.kernels.sample_seeds(seed, step, sample_ids), or call model.eval()")
-        return dropout_add(branch, x, seeds, self.dropout, site_salt(self.layer_id, site))
+        # With sequence parallelism x is this rank's slice of each sample's tokens: its part of the mask.
+        first = self.tp.rank * x[0].numel() if self.tp is not None and self.tp.sequence else 0
+        return dropout_add(branch, x, seeds, self.dropout, site_salt(self.layer_id, site), first)
 
 
 # ---------------------------------------------------------------------------------------
