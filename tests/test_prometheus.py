@@ -56,7 +56,7 @@ RUN_OVERRIDES = [
     "checkpoint.every=2", "elastic.enabled=true", "elastic.resource_timeout_s=30",
     "runtime.device=cpu", "runtime.cpus_per_worker=0.25", "runtime.log_every=1",
 ]
-STEP_PAUSE_S = 0.25  # tiny CPU steps take ~0.1 s: spread the steps over several scrapes
+STEP_PAUSE_S = 0.35  # tiny CPU steps take ~0.1 s: spread the steps (and saves) over several scrapes
 TRAINING_TIMEOUT_S = 180.0
 
 
