@@ -37,18 +37,25 @@ def test_nccl_pipeline_matches_reference(ray_session, tmp_path):
         group.shutdown()
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
-def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_parallel):
+# Three heads, an MLP of 45 and a vocabulary of 63: every part splits the model dimension;
+# dropout on sequence slices runs the kernel from where each slice starts.
+FALLBACKS = {"vocab_size": 63, "dim": 24, "n_heads": 3, "ffn_dim": 45, "dropout": 0.1}
+
+
+@pytest.mark.parametrize("sequence_parallel, model", [(False, {}), (True, {}), (True, FALLBACKS)],
+                         ids=["tp2", "tp2-sequence-parallel", "tp2-model-dim-sequence-parallel-dropout"])
+def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_parallel, model):
     """tp=2 over NCCL: the split layers' all-reduces (or gathers and reduce-scatters), the
     vocabulary-parallel loss and the gathered gradients equal the single GPU's."""
     _need_gpus(2)
-    _matches_on_nccl(tmp_path, {"tp": 2, "sequence_parallel": sequence_parallel}, [("1f1b", 4), ("zb-h1", 4)])
+    _matches_on_nccl(tmp_path, {"tp": 2, "sequence_parallel": sequence_parallel}, [("1f1b", 4), ("zb-h1", 4)], model)
 
 
-def _matches_on_nccl(tmp_path, parallel: dict, plan: list[tuple[str, int]]) -> None:
+def _matches_on_nccl(tmp_path, parallel: dict, plan: list[tuple[str, int]], model: dict | None = None) -> None:
     """Each (schedule, micro-batches) step of `plan` on a CUDA worker group of the tiny model
-    with `parallel` and on the single-GPU reference: the same loss and gradients."""
-    cfg = tiny_config(tmp_path, parallel=parallel, runtime={"device": "cuda", "collective_timeout_s": 30.0})
+    (with `model`'s changes) with `parallel` and on the single-GPU reference: the same loss and gradients."""
+    cfg = tiny_config(tmp_path, parallel=parallel, model=model or {},
+                      runtime={"device": "cuda", "collective_timeout_s": 30.0})
     dataset = synthetic_data(tmp_path, cfg)
     order = SampleOrder(len(dataset), seed=0)
     ref = ReferenceTrainer(cfg, device="cuda")

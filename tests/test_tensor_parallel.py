@@ -400,6 +400,34 @@ def test_a_killed_tensor_parallel_worker_comes_back_from_memory_as_the_uninterru
     assert [got[s] for s in range(6)] == pytest.approx([want[s] for s in range(6)], rel=1e-5)
 
 
+def test_a_recovery_where_no_node_holds_a_cell_goes_on_at_a_smaller_tp(ray_session, tmp_path, monkeypatch):
+    """tp=2 x pp=2 loses a worker, and (as when the only node with room for a cell is gone) no
+    live node holds two workers: the planner drops tp to 1 (pp takes the workers), the copies
+    in memory, tp slices of the old grid, are joined and restored whole, and the run ends with
+    the uninterrupted one's losses. One node here: the nodes' room is what the test sets."""
+    from raypar.data import write_synthetic_corpus
+    from raypar.driver.controller import Controller
+    from raypar.driver.trainer import Trainer
+
+    from helpers import KillWorker, last_loss_per_step, run_config
+
+    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
+
+    def config(name):
+        return run_config(tmp_path, name, (1, 2, 1), 6, {"n_layers": 4}, parallel={"tp": 2},
+                          elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1, "grow": False})
+
+    reference = Trainer(config("reference")).fit()
+    kill = KillWorker(3, 1)
+    monkeypatch.setattr(Controller, "_node_room", lambda self: 1 if kill.killed_at is not None else None)
+    summary = Trainer(config("killed"), callbacks=[kill]).fit()
+    event = summary.recoveries[0]
+    assert (event["failed_grid"], event["grid"]) == ("dp=1 x pp=2 x ep=1 x tp=2", "dp=1 x pp=4 x ep=1"), event
+    assert event["source"] == "memory" and event["steps_lost"] <= 1, event
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(6)] == pytest.approx([want[s] for s in range(6)], rel=1e-5)
+
+
 def test_a_cell_whose_tp_workers_span_nodes_is_found():
     from raypar.topology import Coord, Grid, cells_across_nodes
 

@@ -121,11 +121,11 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
         # Experts split over ep, not tp: under tp every tp rank runs the layer whole on the
         # same tokens (its input and output are whole on every rank, as around a norm).
         return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
-    along = tp.part(cfg, "mlp").along if tp else None
-    kind = {None: WholeFeedForward if tp else FeedForward, "model.ffn_dim": ParallelFeedForward,
-            "model.dim": FeatureParallelFeedForward}[along]
-    return kind(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg)) if tp else kind(cfg.dim, cfg.hidden_dim,
-                                                                                        dtype=param_dtype(cfg))
+    if tp is None:
+        return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
+    kind = {"model.ffn_dim": ParallelFeedForward, "model.dim": FeatureParallelFeedForward,
+            None: WholeFeedForward}[tp.part(cfg, "mlp").along]
+    return kind(cfg.dim, cfg.hidden_dim, tp, dtype=param_dtype(cfg))
 
 
 class ParallelFeedForward(FeedForward):
