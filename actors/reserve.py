@@ -210,10 +210,8 @@ class WorkerReserve:
         try:
             if len(missing) > len(usable):
                 # Whole stage cells started afresh get their tp workers on one node each.
-                tp = g.grid.tp
-                cells = not usable and all(missing[i:i + tp] == list(range(missing[i], missing[i] + tp))
-                                           and missing[i] % tp == 0 for i in range(0, len(missing), tp))
-                usable += g.placement.reserve(len(missing) - len(usable), per_node=tp if cells else 1)
+                cells = not usable and _whole_cells(missing, g.grid.tp)
+                usable += g.placement.reserve(len(missing) - len(usable), per_node=g.grid.tp if cells else 1)
             for r, slot in zip(missing, usable):
                 slots[r] = slot
                 workers[r] = g.start_worker(slot, r)
@@ -256,3 +254,10 @@ class WorkerReserve:
 
     def clear(self) -> None:
         self.survivors, self.standbys, self._standbys_ready, self.standby_slots = [], [], [], []
+
+
+def _whole_cells(ranks: list[int], tp: int) -> bool:
+    """Whether sorted `ranks` are whole stage cells: runs of `tp` consecutive ranks, each from
+    a multiple of tp."""
+    return len(ranks) % tp == 0 and all(ranks[i] % tp == 0 and ranks[i:i + tp] == list(range(ranks[i], ranks[i] + tp))
+                                        for i in range(0, len(ranks), tp))

@@ -40,10 +40,10 @@ from raypar.driver.schedule_choice import ScheduleChooser
 from raypar.driver.states import State, StateMachine
 from raypar.metrics import peak_flops_per_device
 from raypar.model import flops_per_token
+from raypar.model.tensor_parallel import fallbacks
 from raypar.resources import ResourceError, plan_resources
 from raypar.runtime.report import StepReport
 from raypar.schedule import build_programs, prepare, schedule_layout
-from raypar.model.tensor_parallel import fallbacks
 from raypar.topology import Grid, cells_across_nodes
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
