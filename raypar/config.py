@@ -82,7 +82,7 @@ class ParallelConfig:
     # With tp: norms, residuals and the hidden states sent between stages hold each tp
     # worker's slice of the sequence rather than all of it (activation memory and pipeline
     # sends / tp); the split layers gather and reduce-scatter instead of all-reducing.
-    # Needs data.seq_len a multiple of tp and no MoE layers
+    # MoE layers run on the gathered sequence. Needs data.seq_len a multiple of tp
     sequence_parallel: bool = False
     # fthenb (GPipe), 1f1b, or zero bubble (backward split into input and weight gradients):
     # zb-h1 holds no more micro-batches than 1F1B's first stage, zb-h2 up to twice that;
@@ -449,18 +449,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_sequence_parallel(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
+    p = cfg.parallel
     if p.tp < 2:
         raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tensor-parallel workers, but "
                           f"parallel.tp={p.tp}; set parallel.tp >= 2 or sequence_parallel=false")
     if cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={cfg.data.seq_len} is not a multiple of "
                           f"parallel.tp={p.tp}")
-    off = {"model.n_experts": (m.n_experts, "0")}
-    on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
-    if on:
-        raise ConfigError("parallel.sequence_parallel=true does not work yet with " + ", ".join(on)
-                          + "; or set parallel.sequence_parallel=false")
 
 
 def _check_tensor_parallel(cfg: Config) -> None:

@@ -42,8 +42,13 @@ def test_nccl_pipeline_matches_reference(ray_session, tmp_path):
 FALLBACKS = {"vocab_size": 63, "dim": 24, "n_heads": 3, "ffn_dim": 45, "dropout": 0.1}
 
 
-@pytest.mark.parametrize("sequence_parallel, model", [(False, {}), (True, {}), (True, FALLBACKS)],
-                         ids=["tp2", "tp2-sequence-parallel", "tp2-model-dim-sequence-parallel-dropout"])
+# MoE layers whole on both tp workers, on the gathered sequence.
+MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01}
+
+
+@pytest.mark.parametrize("sequence_parallel, model", [(False, {}), (True, {}), (True, FALLBACKS), (True, MOE)],
+                         ids=["tp2", "tp2-sequence-parallel", "tp2-model-dim-sequence-parallel-dropout",
+                              "tp2-moe-sequence-parallel"])
 def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_parallel, model):
     """tp=2 over NCCL: the split layers' all-reduces (or gathers and reduce-scatters), the
     vocabulary-parallel loss and the gathered gradients equal the single GPU's."""

@@ -196,7 +196,18 @@ FALLBACKS = {
     # tp=3 divides neither the 4 heads nor dim=32: attention, embedding and head whole on
     # every rank, the MLP (96) split by hidden units.
     "whole-sequence-parallel": (3, True, dict(vocab_size=64, dim=32, n_heads=4, ffn_dim=96, dropout=0.1)),
+    # MoE layers are whole on every tp rank (experts split over ep only): on the same tokens,
+    # or under sequence parallelism on the gathered sequence; with capacity drops, aux and z losses.
+    **{name: (2, sequence, dict(vocab_size=64, dim=32, n_heads=4, ffn_dim=64, dropout=0.1, n_experts=4, moe_top_k=2,
+                                moe_every=2, moe_capacity_factor=1.0, moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01))
+       for name, sequence in (("moe", False), ("moe-sequence-parallel", True))},
 }
+# How each fallback cuts the weights it splits: by the names' module, the dimension cut.
+BY_MODEL_DIM = {"embed": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w1": 1, "w3": 1, "w2": 0, "head": 1}
+PREFERRED_CUTS = {"embed": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1, "head": 0}
+FALLBACK_CUTS = {"model-dim": BY_MODEL_DIM, "model-dim-sequence-parallel": BY_MODEL_DIM,
+                 "whole-sequence-parallel": {"w1": 0, "w3": 0, "w2": 1},  # attention, embedding and head whole
+                 "moe": PREFERRED_CUTS, "moe-sequence-parallel": PREFERRED_CUTS}
 
 
 def _whole_and_fallback_models(name: str, rank: int, group) -> dict:
@@ -233,7 +244,8 @@ def _whole_and_fallback_models(name: str, rank: int, group) -> dict:
 @pytest.mark.parametrize("name", list(FALLBACKS))
 def test_a_part_tp_does_not_divide_trains_as_the_whole_model(name):
     """Loss, logits and every gradient (as this rank's slice) equal the whole model's when
-    parts fall back to splitting the model dimension, or to being whole on every rank."""
+    parts fall back to splitting the model dimension, or to being whole on every rank (as
+    MoE layers are)."""
     size = FALLBACKS[name][0]
     results = _on_tp_ranks(functools.partial(_whole_and_fallback_models, name), size)
     for rank, out in results.items():
@@ -243,11 +255,7 @@ def test_a_part_tp_does_not_divide_trains_as_the_whole_model(name):
         for name_, g in grads.items():
             want = slices[name_].of(want_grads[name_]) if name_ in slices else want_grads[name_]
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name_}")
-        cut = {n.rsplit(".", 2)[-2]: piece.dim for n, piece in slices.items()}
-        if size == 2:  # everything split along the model dimension: wq, w1, embed by input columns
-            assert cut == {"embed": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w1": 1, "w3": 1, "w2": 0, "head": 1}
-        else:  # only the MLP split (by hidden units); attention, embedding and head whole
-            assert cut == {"w1": 0, "w3": 0, "w2": 1}
+        assert {n.rsplit(".", 2)[-2]: piece.dim for n, piece in slices.items()} == FALLBACK_CUTS[name]
 
 
 def test_a_slice_built_on_the_meta_device_initialises_as_the_whole_models_slice():
@@ -288,10 +296,12 @@ TP_GRIDS = {
                                                        "ffn_dim": 45},
                                                 parallel={"pp": 2, "tp": 2, "sequence_parallel": True}),
     # Attention split over tp=2, every other layer's MLP too; the MoE layers whole on each tp
-    # rank, their experts split over ep=2.
-    "ep2-tp2-moe": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
-                               "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001},
-                        parallel={"ep": 2, "tp": 2}, train={"global_batch_size": 16, "eps": 1e-6}),
+    # rank, their experts split over ep=2; under sequence parallelism (the MoE layers on the
+    # gathered sequence; without it: the model-level tests above).
+    "ep2-tp2-moe-sequence-parallel": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
+                                                 "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001},
+                                          parallel={"ep": 2, "tp": 2, "sequence_parallel": True},
+                                          train={"global_batch_size": 16, "eps": 1e-6}),
 }
 
 
@@ -334,9 +344,6 @@ def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
         load_config(None, ["parallel.tp=0"])
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true splits the sequence .* parallel.tp=1"):
         load_config(None, ["parallel.sequence_parallel=true"])
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not work yet with "
-                                          r"model.n_experts=4 \(set 0\)"):
-        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.n_experts=4"])
 
 
 def test_a_run_split_over_tp_trains_as_the_run_without_and_its_checkpoint_loads_on_any_tp(ray_session, tmp_path):

@@ -28,6 +28,7 @@ from raypar.kernels.moe_layout import invert_rows
 from raypar.model.experts import GroupedExperts, group_alignment, grouped_layout
 from raypar.model.moe_exchange import AllToAll, PaddedPiece
 from raypar.model.split_backward import Linear
+from raypar.model.tensor_parallel import TensorParallel
 
 
 class MoEStats:
@@ -118,8 +119,9 @@ class MoE(nn.Module):
     """Router plus this rank's share of the experts, stacked (`layers.<i>.mlp.experts`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.n_experts = cfg.n_experts
         self.top_k = cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
@@ -137,6 +139,16 @@ class MoE(nn.Module):
         self.stats = MoEStats()
 
     def forward(self, x: Tensor) -> Tensor:
+        tp = self.tp
+        if tp is None or not tp.sequence:
+            return self._route_and_run(x, self.aux_scale)
+        # Sequence parallelism: routing, capacity and the aux loss are over the micro-batch's
+        # tokens, so every tp rank runs the layer on the gathered sequence and keeps its slice.
+        # Each rank seeds its share of the aux loss's gradient: summed over tp (the router's
+        # and experts' gradients are, like the norms'), the whole of it.
+        return tp.whole_out(self._route_and_run(tp.whole_in(x), self.aux_scale / tp.size))
+
+    def _route_and_run(self, x: Tensor, aux_scale: float) -> Tensor:
         b, t, d = x.shape
         n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
@@ -171,7 +183,7 @@ class MoE(nn.Module):
                 out = self._exchange_and_run(x.reshape(b * t, d), order, counts, weight, keep).reshape(b, t, d)
         loss = self.aux_coef * aux + self.z_coef * z if self.z_coef else self.aux_coef * aux
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
-            out = _AttachAuxLoss.apply(out, loss, self.aux_scale)
+            out = _AttachAuxLoss.apply(out, loss, aux_scale)
         return out
 
     def _exchange_and_run(self, x: Tensor, order: Tensor, counts: Tensor, weight: Tensor, keep: Tensor) -> Tensor:

@@ -119,8 +119,9 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
     """
     if cfg.is_moe_layer(layer_id):
         # Experts split over ep, not tp: under tp every tp rank runs the layer whole on the
-        # same tokens (its input and output are whole on every rank, as around a norm).
-        return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg))
+        # same tokens (its input and output are whole on every rank, as around a norm; under
+        # sequence parallelism on the gathered sequence, keeping its slice of the output).
+        return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg), tp=tp)
     if tp is None:
         return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
     kind = {"model.ffn_dim": ParallelFeedForward, "model.dim": FeatureParallelFeedForward,

@@ -687,6 +687,9 @@ class StageRuntime:
         all_reduce_(expert, self.groups.expert_grad, self.timeout)
         if expert and self.grid.data_parallel_size > 1:
             torch._foreach_div_(expert, float(self.grid.data_parallel_size))
+        if expert and self.cfg.parallel.sequence_parallel:
+            # Each tp worker's experts saw the gradient of its slice of the MoE layer's output.
+            all_reduce_(expert, self.groups.tp, self.timeout)
         # Dense gradients are equal on the ep ranks of a stage: count them once. So are those of
         # the parameters every tp rank holds whole (norms) on the tp ranks of a cell.
         if self._tp_whole:
@@ -695,7 +698,8 @@ class StageRuntime:
             whole = [g for name, g in named if name in self._tp_whole]
             sliced = [g for name, g in named if name not in self._tp_whole]
             if self.cfg.parallel.sequence_parallel:
-                # Each tp worker saw its slice of the sequence: the norms' gradients are partial.
+                # Each tp worker saw its slice of the sequence: the norms' (and routers')
+                # gradients are partial.
                 all_reduce_(whole, self.groups.tp, self.timeout)
             dense_sq = self.optimizer.local_sq_norm(sliced) + self.optimizer.local_sq_norm(whole) / self.grid.tp
         else:
