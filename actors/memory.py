@@ -35,18 +35,23 @@ def peers_of(nodes: list[str], shared: list[bool]) -> list[int]:
 
 
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
-                      peers: list[int], node_names: list[str] | None = None) -> None:
+                      peers: list[int], node_names: list[str] | None = None, held: list[int] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
     copies of its own state (`OWN_SLOTS`: the newest, one being made, the sources of its
     replicas) and the replicas it keeps for its peer (the two newest). Lists are by rank;
-    `available` is what each worker's host reported free."""
+    `available` is what each worker's host reported free, `held` what its copies already
+    held then (allocated at setup: not free, but theirs)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     count: dict[str, int] = {}
+    held_on: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         need[node] = need.get(node, 0) + OWN_SLOTS * state_bytes[rank]
         free[node] = min(free.get(node, available[rank]), available[rank])
         count[node] = count.get(node, 0) + 1
+        held_on[node] = held_on.get(node, 0) + (held[rank] if held else 0)
+    for node in free:
+        free[node] += held_on[node]
     for source, keeper in enumerate(peers):
         if keeper != source:
             need[nodes[keeper]] += REPLICAS_KEPT * state_bytes[source]
@@ -112,7 +117,7 @@ class WorkerMemory:
         peers = peers_of(nodes, shared)
         state_bytes, node_names = [i["state_bytes"] for i in g.info], [i["node"] for i in g.info]
         check_host_memory(g.cfg.elastic.memory_every, nodes, state_bytes, [i["host_available_bytes"] for i in g.info],
-                          peers, node_names)
+                          peers, node_names, [i.get("memory_held_bytes", 0) for i in g.info])
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
         check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
         self.generation = next(_GENERATIONS)

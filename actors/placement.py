@@ -115,6 +115,20 @@ def bundle_node(slot: Slot) -> str | None:
         return None
 
 
+def bundle_free(slot: Slot, available: dict[str, float]) -> bool:
+    """Whether `slot`'s bundle is placed on a live node with nothing running in it, by
+    `available` (`ray.available_resources()`): Ray offers a placed bundle's resources as
+    `<resource>_group_<index>_<placement group id>`, also once it has placed a lost node's
+    bundle again on another node."""
+    pg, index = slot
+    try:
+        need = pg.bundle_specs[index]
+    except Exception:  # noqa: BLE001 - a removed group
+        return False
+    return all(available.get(f"{key}_group_{index}_{pg.id.hex()}", 0.0) >= amount - 1e-9
+               for key, amount in need.items() if amount > 0)
+
+
 def kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from .placement import Slot, bundle_node, kill, slot_key
+from .placement import Slot, bundle_free, bundle_node, kill, slot_key
 
 if TYPE_CHECKING:
     from .worker_group import WorkerGroup
@@ -160,11 +160,12 @@ class WorkerReserve:
         return len(self.survivors) + borrowed + min(with_gpu, len(live) - borrowed)
 
     def free_slots_on_live_nodes(self) -> int:
-        """Bundles held without a worker, placed on nodes Ray reports alive."""
+        """Bundles held without a worker whose resources a live node offers now: a lost
+        node's count once Ray has placed them again (e.g. on a node that came back)."""
         if not self.idle:
             return 0
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return sum(1 for slot, _ in self.idle if bundle_node(slot) in alive)
+        available = ray.available_resources()
+        return sum(1 for slot, _ in self.idle if bundle_free(slot, available))
 
     def fill(self, n: int) -> dict[str, int]:
         """Give the group `n` workers by rank: survivors keep their rank where it exists and fill

@@ -216,6 +216,7 @@ class StageWorker:
                 "parameters": sum(p.numel() for p in self.runtime.model.parameters()),
                 "shared_memory": self._shared_memory_info(),
                 "host_available_bytes": host_available_bytes(),
+                "memory_held_bytes": self.recent.held_bytes(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.device), "gpu": self.gpu_id, "backend": backend,
                 "kernels": kernel_status,

@@ -159,6 +159,13 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
         check_host_memory(1, nodes, states, [need, need, need - gib, need + 4 * gib], peers)
     # One node: each worker keeps the next one's replica.
     check_host_memory(1, ["n"] * 2, [gib] * 2, [2 * (OWN_SLOTS + REPLICAS_KEPT) * gib] * 2, [1, 0])
+    # What the copies already held when the node's free memory was read counts as theirs.
+    one = [OWN_SLOTS * gib]
+    with pytest.raises(ConfigError, match=r"has 3.0 GiB available"):
+        check_host_memory(1, ["n"], [gib], [3 * gib], [0])
+    check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[one[0] - 3 * gib])
+    with pytest.raises(ConfigError, match=rf"has {OWN_SLOTS - 0.5:.1f} GiB available"):
+        check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[one[0] - 3.5 * gib])
 
 
 def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():

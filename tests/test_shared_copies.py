@@ -2,15 +2,18 @@
 by another process of the same node after the first one died, never across nodes or
 generations, never while it is being written; cleared and dropped without leftovers."""
 import errno
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates
-from raypar.runtime.shared_copies import SharedCopies
+from raypar.runtime.shared_copies import SHM_ROOT, SharedCopies
 
 GENERATION = 41
 
@@ -137,10 +140,13 @@ def test_drop_removes_the_runs_files(tmp_path):
 
 
 @pytest.mark.gpu
-def test_shared_copies_are_pinned_for_copies_from_the_gpu(tmp_path):
+def test_shared_copies_are_pinned_for_copies_from_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    shared = SharedCopies.open("run", "node", pin=True, root=tmp_path)
+    # In a tmpfs, as runs keep them: CUDA may refuse to pin the pages of other files (a
+    # disk's, an overlay's), and then the copies say so and go on unpinned.
+    root = Path(tempfile.mkdtemp(dir=SHM_ROOT))
+    shared = SharedCopies.open("run", "node", pin=True, root=root)
     buffers = shared.allocate("own0", {"w": (torch.Size([1 << 20]), torch.bfloat16)})
     assert buffers["w"].is_pinned()
     src = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
@@ -148,3 +154,4 @@ def test_shared_copies_are_pinned_for_copies_from_the_gpu(tmp_path):
     torch.cuda.synchronize()
     assert torch.equal(buffers["w"], src.cpu())
     shared.drop()
+    shutil.rmtree(root)

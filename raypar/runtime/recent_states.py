@@ -215,6 +215,14 @@ class RecentStates:
             copy.wait_reserved()
         return time.perf_counter() - t0
 
+    def held_bytes(self) -> int:
+        """Host memory the copies and replicas hold now: a node's free memory, measured after
+        they were allocated, leaves it out, yet it counts towards what they need."""
+        with self._lock:
+            replicas = sum(t.nbytes for held in self._replicas.values() for _, tensors in held.values()
+                           for t in tensors.values())
+            return sum(c.held_bytes() for c in self._copies) + replicas
+
     def busy(self, steps_done: int) -> bool:
         """Whether a copy asked for after the next step would likely be skipped: one of a state
         before `steps_done` steps is still being made (the copy just begun for `steps_done`

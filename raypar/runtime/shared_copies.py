@@ -127,8 +127,9 @@ class SharedCopies:
             pinned = error == 0
             if not pinned:
                 # Copies from the GPU into pageable memory are synchronous: they would stall steps.
-                print(f"raypar: registering {size / 2**30:.2f} GiB of shared memory with CUDA failed (error {error}); "
-                      f"copies into it will be slow: set elastic.memory_shared=false", flush=True)
+                print(f"raypar: CUDA could not pin {size / 2**30:.2f} GiB of shared memory in {self.root} (cudaError "
+                      f"{int(error)}; it pins files of a tmpfs such as /dev/shm, and may refuse others); copies into "
+                      f"it will be slow: set elastic.memory_shared=false", flush=True)
         self._mapped[slot] = (flat, pinned)
         return {name: _view(flat, offsets[name], shape, dtype) for name, (shape, dtype) in layout.items()}
 

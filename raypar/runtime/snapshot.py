@@ -185,6 +185,10 @@ class StateSnapshot:
                     self._sources = {}
         return time.perf_counter() - t0
 
+    def held_bytes(self) -> int:
+        """Host memory its buffers hold now (allocated by `reserve`, whatever they hold)."""
+        return sum(t.nbytes for t in self._buffers.values())
+
     def host_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
         return {name: self._buffers[name] for name in self._names}
