@@ -5,10 +5,18 @@ import pytest
 from helpers import run_bench_cpu
 
 
-@pytest.mark.timeout(300)
-def test_scale_suite_runs_on_cpu(tmp_path):
-    out, results = run_bench_cpu("scale", tmp_path, timeout=300)
-    assert list(results["suites"]) == ["scale"]
+@pytest.fixture(scope="module")
+def scale_and_tp(tmp_path_factory):
+    """The scale and tp suites in one run of the harness (one Ray start for both)."""
+    out_dir = tmp_path_factory.mktemp("scale-and-tp")
+    out, results = run_bench_cpu("scale,tp", out_dir, timeout=400)
+    return out, results, out_dir
+
+
+@pytest.mark.timeout(400)
+def test_scale_suite_runs_on_cpu(scale_and_tp):
+    out, results, tmp_path = scale_and_tp
+    assert list(results["suites"]) == ["scale", "tp"]
     suite = results["suites"]["scale"]
     assert "error" not in suite, suite.get("traceback")
     for row in suite["rows"]:
@@ -98,13 +106,15 @@ def test_gpu_sizes(tmp_path, family):
         assert max(scale.params_per_gpu(cfg)) == pytest.approx(per_gpu[grid], rel=0.1)
 
 
-def test_tensor_parallel_suite_runs_on_cpu_and_only_when_named(tmp_path):
+@pytest.mark.timeout(400)
+def test_tensor_parallel_suite_runs_on_cpu_and_only_when_named(scale_and_tp):
     """bench/tensor_parallel.py on CPU: tp=2 against tp=1 with the split layers' efficiency;
     the 4-GPU rows say why they did not run. Not part of `all`."""
     from bench.run import suite_names
 
     assert "tp" not in suite_names("all") and suite_names("tp") == ["tp"]
-    out, results = run_bench_cpu("tp", tmp_path, timeout=300)
+    out, results, tmp_path = scale_and_tp
+    assert "error" not in results["suites"]["tp"], results["suites"]["tp"].get("traceback")
     rows = {r["label"]: r for r in results["suites"]["tp"]["rows"]}
     assert rows["tp=1, 1 GPU"]["tokens_per_s"] > 0 and rows["tp=2, 2 GPUs"]["config"]["parallel"]["tp"] == 2
     assert rows["tp=2, 2 GPUs"]["tp_efficiency"] == pytest.approx(
