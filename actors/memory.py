@@ -8,7 +8,7 @@ import time
 import ray
 
 from raypar.config import ConfigError
-from raypar.runtime.recent_states import OWN_SLOTS, REPLICAS_KEPT
+from raypar.runtime.recent_states import OWN_SLOTS, OWN_SLOTS_ALONE, REPLICAS_KEPT
 
 
 
@@ -38,7 +38,8 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
                       peers: list[int], node_names: list[str] | None = None, held: list[int] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
     copies of its own state (`OWN_SLOTS`: the newest, one being made, the sources of its
-    replicas) and the replicas it keeps for its peer (the two newest). Lists are by rank;
+    replicas; `OWN_SLOTS_ALONE` for a worker that sends none) and the replicas it keeps for
+    its peer (the two newest). Lists are by rank;
     `available` is what each worker's host reported free, `held` what its copies already
     held then (allocated at setup: not free, but theirs)."""
     need: dict[str, int] = {}
@@ -46,7 +47,8 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
     count: dict[str, int] = {}
     held_on: dict[str, int] = {}
     for rank, node in enumerate(nodes):
-        need[node] = need.get(node, 0) + OWN_SLOTS * state_bytes[rank]
+        slots = OWN_SLOTS if peers[rank] != rank else OWN_SLOTS_ALONE
+        need[node] = need.get(node, 0) + slots * state_bytes[rank]
         free[node] = min(free.get(node, available[rank]), available[rank])
         count[node] = count.get(node, 0) + 1
         held_on[node] = held_on.get(node, 0) + (held[rank] if held else 0)
@@ -60,8 +62,9 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
         if bytes_needed > free[node]:
             raise ConfigError(
                 f"elastic.memory_every={every} keeps the workers' states in host memory: node {names[node]} needs "
-                f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_SLOTS} copies of "
-                f"each one's state and the replicas it keeps for its peers) and has {free[node] / 2**30:.1f} GiB "
+                f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_SLOTS} copies "
+                f"of each one's state, {OWN_SLOTS_ALONE} where it sends no replicas, and the replicas it keeps for its "
+                f"peers) and has {free[node] / 2**30:.1f} GiB "
                 f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory")
 
 

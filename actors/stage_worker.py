@@ -22,7 +22,7 @@ from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
-from raypar.runtime.recent_states import OWN_SLOTS, RecentStates, pack, tensor_name, unpack
+from raypar.runtime.recent_states import OWN_SLOTS_ALONE, RecentStates, pack, tensor_name, unpack
 from raypar.model.tensor_parallel import join_tp_pieces
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
@@ -146,7 +146,7 @@ class StageWorker:
             if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0 and self.recent.shared is None:
                 # (Copies in shared memory get their files once the stage's layout is known.)
                 memory = snapshot_shapes_for_any_stage(self.cfg, self.grid, everything=True)
-                self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_SLOTS)])
+                self.recent.adopt([pinned_buffers(memory) for _ in range(OWN_SLOTS_ALONE)])
 
     def take_gpu(self, gpu_id: str | None, lost_pid: int | None, timeout_s: float) -> float:
         """A borrowing standby replacing a worker of its node: wait until the lost worker's
@@ -206,8 +206,10 @@ class StageWorker:
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             # The copies' host buffers: at the run's start before the first step (counted in
             # "build"); in a recovery beside the steps after it, which should not wait.
+            # Those of the copies a worker sending no replicas uses; `set_memory_peer` adds the rest.
             self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
-                                                                 pin=self.device.type == "cuda", wait=cfg is None)
+                                                                 pin=self.device.type == "cuda", wait=cfg is None,
+                                                                 slots=OWN_SLOTS_ALONE)
         # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
@@ -330,6 +332,10 @@ class StageWorker:
         `generation` (one per plan): replicas sent for an earlier one are dropped on arrival."""
         self._peer = peer
         self.recent.generation = generation
+        if peer is not None:
+            # The copies its replicas come from stay behind the newest: buffers for them too,
+            # beside the next steps (a copy that finds its buffers still pinning is skipped).
+            self.recent.reserve(self.runtime.memory_layout(), pin=self.device.type == "cuda", wait=False)
 
     def _send_replica(self, steps_done: int) -> None:
         """Send the copy of the state after `steps_done` steps to the peer and wait until it

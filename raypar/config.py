@@ -256,7 +256,7 @@ class ElasticConfig:
     # process redoes at most N steps and a lost node the steps since its replicas, without
     # reading storage. 0: recover from checkpoints only. Host memory per worker: about eight
     # times its state (the three newest own copies, one being made, the two its replicas come
-    # from, two of a peer's).
+    # from, two of a peer's); four where it sends no replicas (one node, memory_shared).
     memory_every: int = 1
     # Make those copies, and the replicas of peers', in the node's shared memory (/dev/shm)
     # rather than the worker's own: a worker whose process dies leaves its copies on its node,

@@ -5,7 +5,8 @@ import time
 import torch
 
 from raypar.actors.memory import peer_of
-from raypar.runtime.recent_states import OWN_KEPT, OWN_SLOTS, REPLICAS_KEPT, RecentStates, pack, unpack
+from raypar.runtime.recent_states import (OWN_KEPT, OWN_SLOTS, OWN_SLOTS_ALONE, REPLICAS_KEPT, RecentStates,
+                                          pack, unpack)
 
 
 def _take(recent: RecentStates, rank: int, steps_done: int, state: dict, send=None) -> bool:
@@ -57,6 +58,24 @@ def test_frozen_states_stay_as_they_were_until_cleared():
     release.set()
     recent.settle()
     assert sorted(recent.inventory()) == [(0, 1), (0, 2)]
+
+
+def test_a_worker_sending_no_replicas_holds_buffers_for_fewer_copies():
+    """Without a peer a worker keeps its three newest copies and makes one: buffers for
+    `OWN_SLOTS_ALONE` copies, reserved at setup, serve every copy it takes; a peer set later
+    reserves the rest."""
+    recent = RecentStates()
+    layout = {"w": (torch.Size([256]), torch.float32), "rng": (torch.Size([1]), torch.int64)}
+    one = 256 * 4 + 8
+    recent.reserve(layout, pin=False, slots=OWN_SLOTS_ALONE)
+    assert recent.held_bytes() == OWN_SLOTS_ALONE * one
+    for steps_done in range(1, 3 * OWN_SLOTS):
+        assert _take(recent, 0, steps_done, {"w": torch.full((256,), float(steps_done))})
+        recent.settle()
+        assert recent.held_bytes() == OWN_SLOTS_ALONE * one, steps_done
+    assert sorted(recent.inventory()) == [(0, s) for s in range(3 * OWN_SLOTS - OWN_KEPT, 3 * OWN_SLOTS)]
+    recent.reserve(layout, pin=False, wait=True)
+    assert recent.held_bytes() == OWN_SLOTS * one
 
 
 def test_copies_go_into_reserved_buffers():
@@ -159,13 +178,16 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
         check_host_memory(1, nodes, states, [need, need, need - gib, need + 4 * gib], peers)
     # One node: each worker keeps the next one's replica.
     check_host_memory(1, ["n"] * 2, [gib] * 2, [2 * (OWN_SLOTS + REPLICAS_KEPT) * gib] * 2, [1, 0])
-    # What the copies already held when the node's free memory was read counts as theirs.
-    one = [OWN_SLOTS * gib]
+    # A worker that sends no replicas (its own peer) keeps fewer copies; what they already
+    # held when the node's free memory was read counts as theirs.
+    alone = OWN_SLOTS_ALONE * gib
+    assert OWN_SLOTS_ALONE < OWN_SLOTS
+    check_host_memory(1, ["n"], [gib], [alone], [0])
     with pytest.raises(ConfigError, match=r"has 3.0 GiB available"):
         check_host_memory(1, ["n"], [gib], [3 * gib], [0])
-    check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[one[0] - 3 * gib])
-    with pytest.raises(ConfigError, match=rf"has {OWN_SLOTS - 0.5:.1f} GiB available"):
-        check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[one[0] - 3.5 * gib])
+    check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[alone - 3 * gib])
+    with pytest.raises(ConfigError, match=rf"has {OWN_SLOTS_ALONE - 0.5:.1f} GiB available"):
+        check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[alone - 3.5 * gib])
 
 
 def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():

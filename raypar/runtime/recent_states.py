@@ -44,6 +44,10 @@ OWN_KEPT = 3
 # its own pace leaves behind the newest: a lost node's ranks come back at the step of their
 # replicas, so the other ranks must still hold their own copies of it.
 OWN_SLOTS = OWN_KEPT + 3
+# Copies a worker holds at most when it sends no replicas (alone, or on one node with its
+# copies in shared memory): the newest and one being made. The other slots get buffers only
+# once a peer is set.
+OWN_SLOTS_ALONE = OWN_KEPT + 1
 # Replicas a worker keeps of each peer's state: the newest may be of a step the driver has
 # not seen every report of when a failure comes (the peer ran ahead), so the one before it
 # stays too.
@@ -198,8 +202,10 @@ class RecentStates:
             for copy, held in zip(self._copies, buffers):
                 copy.adopt(held)
 
-    def reserve(self, layout, pin: bool, wait: bool = True) -> float:
-        """Allocate every copy's host buffers for `layout` (those it lacks), all at once.
+    def reserve(self, layout, pin: bool, wait: bool = True, slots: int = OWN_SLOTS) -> float:
+        """Allocate the host buffers for `layout` of the first `slots` copies (those they lack),
+        all at once; copies are taken first-free in that order, so without replicas to send
+        the first `OWN_SLOTS_ALONE` are all that are ever used.
         Pinning gigabytes takes seconds and holds up the process's CUDA calls: at the run's
         start `wait` makes setup pay for it rather than the first steps; in a recovery the
         next step should not wait for it (`wait=False`: on background threads; no copy is
@@ -208,7 +214,7 @@ class RecentStates:
         with self._lock:
             # Not the copies a recovery may still restore from (they keep their buffers, which
             # fit the next copies too while the grid stays the same).
-            free = [c for c in self._copies if c not in self._complete.values() and c is not self._copying]
+            free = [c for c in self._copies[:slots] if c not in self._complete.values() and c is not self._copying]
         for copy in free:
             copy.reserve(layout, pin=pin)
         for copy in free if wait else ():
