@@ -76,8 +76,9 @@ class ParallelConfig:
     # MLP column- then row-parallel, embedding, head and cross-entropy by vocabulary; norms
     # whole on every tp worker, as are MoE layers (their experts split over ep). Where tp
     # does not divide the heads, the MLP's hidden size or the vocabulary, that part splits
-    # the model dimension instead, or is whole on every worker (the driver logs which). Not
-    # yet with a sharded optimizer
+    # the model dimension instead, or is whole on every worker (the driver logs which). With
+    # shard_optimizer, each tp worker shards its slices over its dp peers; copies of such
+    # states in memory (elastic.memory_every) are not built yet
     tp: int = 1
     # With tp: norms, residuals and the hidden states sent between stages hold each tp
     # worker's slice of the sequence rather than all of it (activation memory and pipeline
@@ -461,13 +462,13 @@ def _check_sequence_parallel(cfg: Config) -> None:
 def _check_tensor_parallel(cfg: Config) -> None:
     """parallel.tp > 1: nothing that does not work with tp yet is on. (A size tp does not
     divide is no error: that part splits another way, `tensor_parallel.split_parts`.)"""
-    p = cfg.parallel
-    # Not built yet for tensor-parallel stages: each would save or restore wrong tensors.
-    off = {"parallel.shard_optimizer": (p.shard_optimizer, "false")}
-    on = [f"{key}={value} (set {want})" for key, (value, want) in off.items() if value]
-    if on:
-        raise ConfigError(f"parallel.tp={p.tp}: tensor-parallel stages do not work yet with " + ", ".join(on)
-                          + "; or use parallel.tp=1")
+    p, e = cfg.parallel, cfg.elastic
+    # Not built yet: copies in memory of a sharded optimizer's shares of tp slices (their
+    # flat pieces would be restored as pieces of the whole tensor).
+    if p.shard_optimizer and e.enabled and e.memory_every > 0:
+        raise ConfigError(f"parallel.tp={p.tp} with parallel.shard_optimizer=true does not keep states in memory yet: "
+                          f"set elastic.memory_every=0 (an elastic recovery loads the last checkpoint), or "
+                          f"parallel.shard_optimizer=false, or parallel.tp=1")
 
 
 def validate(cfg: Config) -> None:

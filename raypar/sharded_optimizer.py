@@ -29,7 +29,7 @@ from raypar.kernels import accumulate_
 from raypar.model.experts import named_slices
 from raypar.model.tensor_parallel import tp_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
-from raypar.runtime.comm import wait_for
+from raypar.runtime.comm import all_reduce_, wait_for
 
 # Every parameter starts at a multiple of this many elements in the flat buffer (grouped
 # GEMMs read 16-byte aligned rows; 128 bytes keeps vector loads whole), and every rank's
@@ -254,7 +254,9 @@ class ShardedOptimizer(MasterOptimizer):
         self.cfg, self.timeout = cfg, timeout
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.slices = named_slices(module)
-        self.tp_slices = tp_slices(module)  # (parallel.tp with a sharded optimizer is refused at config)
+        # With tp each tp worker shards its own slices (its families' groups are its dp x ep
+        # peers of the same tp rank); the parameters every tp worker holds whole are shared too.
+        self.tp_slices = tp_slices(module)
         self.mixed = any(p.dtype != torch.float32 for _, p in self.named_params)
         by_family: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for n, p in self.named_params:
@@ -402,17 +404,30 @@ class ShardedOptimizer(MasterOptimizer):
                     out[key] = grad[index]
         return out
 
-    def reduce_gradients(self, replicas: int) -> torch.Tensor:
+    def reduce_gradients(self, replicas: int, tp_group=None, tp: int = 1, sequence_parallel: bool = False) -> torch.Tensor:
         """Sum every family's gradients over its group into this rank's share, divided by
         `replicas` (the pipelines of the grid, dp x ep: each one's loss is a mean over its
         own samples; an expert's all-to-all already summed its ep group's pipelines), as
         the unsharded all-reduce does. Returns the share's squared norm: summed over the
-        world's ranks, the global norm's square."""
+        world's ranks, the global norm's square.
+
+        With `tp` workers per stage cell, what every one of them holds whole (norms, MoE
+        layers) is in each one's share alike (the same layout on every tp rank): counted
+        1 / tp in the norm, and with `sequence_parallel` (each saw its slice of the tokens)
+        first summed over `tp_group`."""
         for work in [w for f in self.families for w in f.reduce_scatter()]:
             wait_for(work, self.timeout, "gradient reduce-scatter")
         if replicas > 1:
             torch._foreach_div_([f.grad_share for f in self.families], float(replicas))
-        return self.local_sq_norm()
+        if tp == 1:
+            return self.local_sq_norm()
+        whole, sliced = [], []
+        for f in self.families:
+            for seg in f.segments:
+                (sliced if seg.key in self.tp_slices else whole).append(seg.of(f.grad_share))
+        if sequence_parallel:
+            all_reduce_(whole, tp_group, self.timeout)
+        return self.local_sq_norm(sliced) + self.local_sq_norm(whole) / tp
 
     # -- the step ----------------------------------------------------------------------
 

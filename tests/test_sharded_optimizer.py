@@ -94,9 +94,9 @@ def test_resume_sharded_then_unsharded_then_sharded_on_other_grids_equals_an_uni
 
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
 
-    def run(name, grid, shard, resume=None):
+    def run(name, grid, shard, resume=None, tp=1):
         cfg = run_config(tmp_path, name, grid, 9, checkpoint={"every": 3, "keep_last": 5, **({"resume": resume} if resume else {})},
-                         parallel={"shard_optimizer": shard, "grad_bucket_mb": 0.02})
+                         parallel={"shard_optimizer": shard, "grad_bucket_mb": 0.02, "tp": tp})
         return Trainer(cfg).fit()
 
     full = run("full", (2, 1, 1), True)
@@ -107,7 +107,9 @@ def test_resume_sharded_then_unsharded_then_sharded_on_other_grids_equals_an_uni
         assert len({p.file for n in moments for p in r.entry(n).pieces}) == 2
         assert len({p.file for p in r.entry("layers.0.attn.wq.weight").pieces}) == 1
     unsharded = run("unsharded", (1, 2, 1), False, resume=str(saved))
-    wider = run("wider", (4, 1, 1), True, resume=str(checkpoint_dir(tmp_path / "unsharded" / "ckpt", 6)))
+    # Sharded over dp=2 on each of tp=2 workers' slices: loads whole tensors cut to its
+    # slices and shares, and saves its shares of slices where they lie in the whole tensors.
+    wider = run("wider", (2, 1, 1), True, resume=str(checkpoint_dir(tmp_path / "unsharded" / "ckpt", 6)), tp=2)
     losses = {r.step: r.loss for r in full.records}
     assert [r.step for r in unsharded.records] == list(range(3, 9))
     for r in unsharded.records[:3] + wider.records:

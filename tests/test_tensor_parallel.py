@@ -302,6 +302,14 @@ TP_GRIDS = {
                                                  "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001},
                                           parallel={"ep": 2, "tp": 2, "sequence_parallel": True},
                                           train={"global_batch_size": 16, "eps": 1e-6}),
+    # The sharded optimizer (ZeRO-1) over dp=2 on each tp rank's slices, the norms and MoE
+    # layers (whole on both tp workers, gradients partial under sequence parallelism) shared
+    # alike; small buckets, so parameters span several.
+    "dp2-tp2-sharded-moe-sequence-parallel": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
+                                                         "moe_aux_loss_coef": 0.01},
+                                                  parallel={"dp": 2, "tp": 2, "sequence_parallel": True,
+                                                            "shard_optimizer": True, "grad_bucket_mb": 0.01},
+                                                  train={"global_batch_size": 16, "eps": 1e-6}),
 }
 
 
@@ -320,8 +328,9 @@ def test_tensor_parallel_stages_match_single_process(ray_session, tmp_path, grid
         assert [s[0].id.hex() for s in group.slots] == [c for c in cells for _ in range(2)]
         assert {ray.util.placement_group_table(s[0])["strategy"] for s in group.slots} == {"STRICT_PACK"}
         # Each replica's tp workers hold the model once, but for the norms every one holds
-        # whole: not a copy of their stage each. (ep > 1: the dense parts are on every ep rank.)
-        if group.grid.ep > 1:
+        # whole: not a copy of their stage each. (ep > 1: the dense parts are on every ep rank;
+        # MoE layers are whole on every tp rank.)
+        if group.grid.ep > 1 or group.cfg.model.n_experts:
             return
         whole = ref.parameters()
         norms = sum(t.numel() for name, t in whole.items() if "norm" in name)
@@ -337,9 +346,10 @@ def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
 
     # Two key/value heads over tp=4: attention splits the model dimension instead (no error).
     assert load_config(None, ["model.n_heads=4", "model.n_kv_heads=2", "model.dim=64", "parallel.tp=4"]).parallel.tp == 4
-    with pytest.raises(ConfigError, match=r"parallel.tp=2: tensor-parallel stages do not work yet with "
-                                          r"parallel.shard_optimizer=True \(set false\); or use parallel.tp=1"):
-        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true"])
+    assert load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true"]).parallel.tp == 2
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 with parallel.shard_optimizer=true does not keep states in "
+                                          r"memory yet: set elastic.memory_every=0"):
+        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true", "elastic.enabled=true"])
     with pytest.raises(ConfigError, match=r"parallel.tp=0 must be at least 1"):
         load_config(None, ["parallel.tp=0"])
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true splits the sequence .* parallel.tp=1"):

@@ -274,14 +274,17 @@ def gather_from_tensor_parallel(x: Tensor, group) -> Tensor:
     return x if group is None else _GatherFromTensorParallel.apply(x, group)
 
 
-def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, first: int, group, sequence: bool = False) -> Tensor:
-    """Embedding rows of `tokens` from this rank's slice of the table (vocabulary ids first ..
-    first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from here
-    (`sequence`: a reduce-scatter, each rank keeping its slice of the sequence)."""
+def vocab_parallel_embedding(tokens: Tensor, embed: torch.nn.Embedding, first: int, group,
+                             sequence: bool = False) -> Tensor:
+    """Embedding rows of `tokens` from this rank's slice of the table, `embed` (vocabulary ids
+    first .. first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from
+    here (`sequence`: a reduce-scatter, each rank keeping its slice of the sequence). The
+    module is called, not its weight read: what runs before a module's forward (a sharded
+    optimizer waiting for its weights' gather) runs here too."""
     if group is None:
-        return torch.nn.functional.embedding(tokens, weight)
-    mine = (tokens >= first) & (tokens < first + weight.shape[0])
-    rows = torch.nn.functional.embedding(torch.where(mine, tokens - first, 0), weight)
+        return embed(tokens)
+    mine = (tokens >= first) & (tokens < first + embed.num_embeddings)
+    rows = embed(torch.where(mine, tokens - first, 0))
     rows = rows * mine.unsqueeze(-1).to(rows.dtype)
     return reduce_scatter_sequence(rows, group) if sequence else from_tensor_parallel(rows, group)
 

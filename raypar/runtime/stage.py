@@ -667,7 +667,8 @@ class StageRuntime:
         if isinstance(self.optimizer, ShardedOptimizer):
             # Each rank's share is a distinct part of the gradients: their squares sum to
             # the global norm's over the whole world.
-            sq = self.optimizer.reduce_gradients(self.grid.data_parallel_size).to(self.device)
+            sq = self.optimizer.reduce_gradients(self.grid.data_parallel_size, self.groups.tp, self.grid.tp,
+                                                 self.cfg.parallel.sequence_parallel).to(self.device)
             all_reduce_([sq], dist.group.WORLD if dist.get_world_size() > 1 else None, self.timeout)
         else:
             sq = self._all_reduce_grads()

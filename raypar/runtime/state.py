@@ -90,9 +90,13 @@ def _sharded_tensors(optimizer: ShardedOptimizer, coord: Coord | None, save_opti
                      emas: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """`state_tensors` of a sharded optimizer: whole weights by the usual writer, and every
     flat piece of this rank's share (no other rank holds it)."""
-    out = {key: view.detach() for key, view in _named_views(optimizer) if coord is None or writes(coord, key)}
+    sliced = optimizer.tp_slices
+    out = {key: view.detach() for key, view in _named_views(optimizer)
+           if coord is None or writes(coord, key, key in sliced)}
     emas = emas or optimizer.ema
     for family, seg, state in optimizer.segment_states():
+        if coord is not None and coord.tp > 0 and seg.key not in sliced:
+            continue  # every tp worker holds its share of what they all hold whole: tp 0 writes it
         if optimizer.mixed and save_master:
             out[piece_name(f"master.{seg.key}", seg.start)] = seg.of(family.master)
         if emas is not None:
@@ -100,7 +104,9 @@ def _sharded_tensors(optimizer: ShardedOptimizer, coord: Coord | None, save_opti
         if save_optimizer:
             for key in ("exp_avg", "exp_avg_sq"):
                 out[piece_name(f"optim.{key}.{seg.key}", seg.start)] = state[key]
-            if seg.start == 0:  # the step count is one scalar: its first element's holder writes it
+            if seg.start == 0 and (coord is None or coord.tp == 0):
+                # The step count is one scalar: its first element's holder writes it (of a
+                # tp-sliced tensor, tp 0's).
                 out[f"optim.step.{seg.key}"] = state["step"]
     return out
 
@@ -145,11 +151,13 @@ def checkpoint_pieces(optimizer: MasterOptimizer, tensors: dict[str, torch.Tenso
         if start is None:
             pieces.append((name, t, (0,) * t.ndim, tuple(t.shape)))
             continue
+        # A flat piece of this worker's tensor: of its tp slice, placed where the slice lies.
         shape = global_shape(shapes, name)
+        origin, whole = (held[0].offset(held[1]), held[1]) if held is not None else ((0,) * len(shape), shape)
         flat, at = t.reshape(-1), 0
         for offsets, box in flat_range_boxes(shape, start, start + t.numel()):
             n = math.prod(box)
-            pieces.append((name, flat[at:at + n].view(box), offsets, shape))
+            pieces.append((name, flat[at:at + n].view(box), tuple(o + d for o, d in zip(offsets, origin)), whole))
             at += n
     return pieces
 
@@ -315,6 +323,14 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
     from it), this rank's ranges of the moments and EMA."""
     optimizer.wait_for_weights()  # no gather may write the weights after the load
     shapes = _key_shapes(optimizer)
+
+    def range_of(name: str, seg) -> torch.Tensor:
+        """A segment's elements of `name`: a range of this worker's tp slice (read whole,
+        through `read`, which cuts it), else a range of the global tensor."""
+        if _param_of(name) in optimizer.tp_slices:
+            return read(name).reshape(-1)[seg.start:seg.stop]
+        return read_flat(name, seg.start, seg.stop)
+
     by_key = optimizer.segments_by_key()
     keys = list(shapes)
     reads, missing = [], []
@@ -327,7 +343,7 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
             for name in (f"ema.{key}" if optimizer.ema is not None else None,
                          f"optim.exp_avg.{key}", f"optim.exp_avg_sq.{key}"):
                 if name in names:
-                    reads.append(lambda name=name, seg=seg: read_flat(name, seg.start, seg.stop))
+                    reads.append(lambda name=name, seg=seg: range_of(name, seg))
             if f"optim.exp_avg.{key}" in names:
                 reads.append(lambda key=key: read(f"optim.step.{key}"))
             elif key not in missing:
