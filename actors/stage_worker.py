@@ -24,6 +24,7 @@ from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
 from raypar.runtime.recent_states import OWN_SLOTS_ALONE, RecentStates, pack, tensor_name, unpack
 from raypar.model.tensor_parallel import join_tp_pieces
+from raypar.runtime.state import whole_slices
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -381,9 +382,10 @@ class StageWorker:
         for names, refs in sources:
             if needed.intersection(names):
                 tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
-        # A sharded optimizer's shares come in flat pieces; tp slices are joined whole (each
-        # worker then takes its own slice, on any tp).
-        held = FlatPieces(join_tp_pieces(tensors))
+        # A sharded optimizer's shares come in flat pieces (of tp slices: put together into
+        # the slices first); tp slices are joined whole (each worker then takes its own slice,
+        # on any tp).
+        held = FlatPieces(join_tp_pieces(whole_slices(tensors, self.runtime.global_shapes())))
         self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
         return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 

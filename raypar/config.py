@@ -77,8 +77,7 @@ class ParallelConfig:
     # whole on every tp worker, as are MoE layers (their experts split over ep). Where tp
     # does not divide the heads, the MLP's hidden size or the vocabulary, that part splits
     # the model dimension instead, or is whole on every worker (the driver logs which). With
-    # shard_optimizer, each tp worker shards its slices over its dp peers; copies of such
-    # states in memory (elastic.memory_every) are not built yet
+    # shard_optimizer, each tp worker shards its slices over its dp peers
     tp: int = 1
     # With tp: norms, residuals and the hidden states sent between stages hold each tp
     # worker's slice of the sequence rather than all of it (activation memory and pipeline
@@ -459,18 +458,6 @@ def _check_sequence_parallel(cfg: Config) -> None:
                           f"parallel.tp={p.tp}")
 
 
-def _check_tensor_parallel(cfg: Config) -> None:
-    """parallel.tp > 1: nothing that does not work with tp yet is on. (A size tp does not
-    divide is no error: that part splits another way, `tensor_parallel.split_parts`.)"""
-    p, e = cfg.parallel, cfg.elastic
-    # Not built yet: copies in memory of a sharded optimizer's shares of tp slices (their
-    # flat pieces would be restored as pieces of the whole tensor).
-    if p.shard_optimizer and e.enabled and e.memory_every > 0:
-        raise ConfigError(f"parallel.tp={p.tp} with parallel.shard_optimizer=true does not keep states in memory yet: "
-                          f"set elastic.memory_every=0 (an elastic recovery loads the last checkpoint), or "
-                          f"parallel.shard_optimizer=false, or parallel.tp=1")
-
-
 def validate(cfg: Config) -> None:
     m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.runtime
     positive = {
@@ -562,8 +549,6 @@ def validate(cfg: Config) -> None:
             f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}; "
             f"parallel.ep={fits[-1]} would work (the largest divisor of n_experts not above {p.ep})"
         )
-    if p.tp > 1:
-        _check_tensor_parallel(cfg)
     if p.sequence_parallel:
         _check_sequence_parallel(cfg)
     if p.pp > m.n_layers:

@@ -346,10 +346,8 @@ def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
 
     # Two key/value heads over tp=4: attention splits the model dimension instead (no error).
     assert load_config(None, ["model.n_heads=4", "model.n_kv_heads=2", "model.dim=64", "parallel.tp=4"]).parallel.tp == 4
-    assert load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true"]).parallel.tp == 2
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 with parallel.shard_optimizer=true does not keep states in "
-                                          r"memory yet: set elastic.memory_every=0"):
-        load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true", "elastic.enabled=true"])
+    assert load_config(None, ["model.n_heads=4", "parallel.tp=2", "parallel.shard_optimizer=true",
+                              "elastic.enabled=true"]).parallel.shard_optimizer
     with pytest.raises(ConfigError, match=r"parallel.tp=0 must be at least 1"):
         load_config(None, ["parallel.tp=0"])
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true splits the sequence .* parallel.tp=1"):
@@ -394,9 +392,11 @@ def test_a_run_split_over_tp_trains_as_the_run_without_and_its_checkpoint_loads_
 
 
 def test_a_killed_tensor_parallel_worker_comes_back_from_memory_as_the_uninterrupted_run(ray_session, tmp_path):
-    """elastic with tp=2 x pp=2: a tp worker killed after step 3 comes back from the states in
-    memory (its own copy in shared memory, every tp slice named as such and joined on load),
-    at most one step redone, and the run ends with the uninterrupted one's losses."""
+    """elastic with dp=2 x tp=2 and the sharded optimizer: a tp worker killed after step 3
+    comes back from the states in memory (its own copy in shared memory, every tp slice and
+    every dp rank's flat share of one named as such, put together and joined on load), at
+    most one step redone, and the run ends with the uninterrupted one's losses. (tp=2 x pp=2
+    without sharding: the test below.)"""
     from raypar.data import write_synthetic_corpus
     from raypar.driver.trainer import Trainer
 
@@ -405,13 +405,14 @@ def test_a_killed_tensor_parallel_worker_comes_back_from_memory_as_the_uninterru
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
 
     def config(name):
-        return run_config(tmp_path, name, (1, 2, 1), 6, {"n_layers": 4}, parallel={"tp": 2},
+        return run_config(tmp_path, name, (2, 1, 1), 6, {"n_layers": 4},
+                          parallel={"tp": 2, "shard_optimizer": True, "grad_bucket_mb": 0.02},
                           elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1})
 
     reference = Trainer(config("reference")).fit()
     summary = Trainer(config("killed"), callbacks=[KillWorker(3, 1)]).fit()
     event = summary.recoveries[0]
-    assert (event["source"], event["grid"]) == ("memory", "dp=1 x pp=2 x ep=1 x tp=2"), event
+    assert (event["source"], event["grid"]) == ("memory", "dp=2 x pp=1 x ep=1 x tp=2"), event
     assert event["steps_lost"] <= 1 and event["workers_kept"] == 3, event
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(6)] == pytest.approx([want[s] for s in range(6)], rel=1e-5)

@@ -72,8 +72,9 @@ def unpack(packed: Packed, names: set[str] | None = None, copy: bool = True) -> 
 
 
 def tensor_name(key: str) -> str:
-    """The global tensor a key of a copy holds (all of, a flat piece of, or a tp slice of)."""
-    return split_piece_name(split_tp_piece_name(key)[0])[0]
+    """The global tensor a key of a copy holds (all of, a flat piece of, a tp slice of, or a
+    flat piece of a tp slice: `<name>#tp<d>.<i>.<p>@<start>`)."""
+    return split_tp_piece_name(split_piece_name(key)[0])[0]
 
 
 class RecentStates:

@@ -43,7 +43,7 @@ from raypar.runtime.p2p import Inflight, connect_channels
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import (checkpoint_pieces, tp_named, load_state, names_to_load, rng_states, state_layout,
+from raypar.runtime.state import (checkpoint_pieces, global_shapes, tp_named, load_state, names_to_load, rng_states, state_layout,
                                   state_tensors, takes_snapshots)
 from raypar.schedule import Action, Op, comm_groups, run_layout
 from raypar.topology import Grid
@@ -763,6 +763,9 @@ class StageRuntime:
     def state_bytes(self) -> int:
         """Bytes of all the state this worker holds (what `keep_recent` copies)."""
         return sum(shape.numel() * dtype.itemsize for shape, dtype in self.memory_layout().values())
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        return global_shapes(self.optimizer)
 
     def state_names(self) -> set[str]:
         """The tensors a load of this worker's state reads (and its RNG's)."""

@@ -19,11 +19,11 @@ import math
 
 import torch
 
-from raypar.checkpoint.pieces import flat_range_boxes, piece_name, split_piece_name
+from raypar.checkpoint.pieces import FlatPieces, flat_range_boxes, piece_name, split_piece_name
 from raypar.config import Config
 from raypar.model import stage_param_shapes
 from raypar.schedule import run_layout
-from raypar.model.tensor_parallel import tp_piece_name
+from raypar.model.tensor_parallel import split_tp_piece_name, tp_piece_name
 from raypar.optim import MasterOptimizer, is_expert_param
 from raypar.runtime.snapshot import Layout
 from raypar.sharded_optimizer import ShardedOptimizer
@@ -124,6 +124,13 @@ def global_shape(shapes: dict[str, torch.Size], name: str) -> tuple[int, ...]:
 
 def _key_shapes(optimizer: MasterOptimizer) -> dict[str, torch.Size]:
     return {key: view.shape for key, view in _named_views(optimizer)}
+
+
+def global_shapes(optimizer: MasterOptimizer) -> dict[str, tuple[int, ...]]:
+    """The whole tensors' shapes of what this worker holds, by checkpoint name (of a tp
+    slice, the tensor it is a slice of)."""
+    return {key: tuple(optimizer.tp_slices[key][1]) if key in optimizer.tp_slices else tuple(shape)
+            for key, shape in _key_shapes(optimizer).items()}
 
 
 def _param_of(name: str) -> str | None:
@@ -290,14 +297,37 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
 
 def tp_named(tensors: dict, slices: dict) -> dict:
     """`tensors` (or a layout) of a worker's whole state with each tensor-parallel slice
-    named as such (`tp_piece_name`): a copy in memory holds every tp worker's slices of one
-    tensor side by side, and a restore joins them (`join_tp_pieces`)."""
+    named as such (`tp_piece_name`; a sharded optimizer's flat piece of one as
+    `piece_name(tp_piece_name(...), start)`): a copy in memory holds every tp worker's slices
+    of one tensor side by side, and a restore joins them (`whole_slices`, `join_tp_pieces`)."""
     if not slices:
         return tensors
     out = {}
     for key, value in tensors.items():
-        held = slices.get(_param_of(key))
-        out[key if held is None else tp_piece_name(key, held[0])] = value
+        name, start = split_piece_name(key)
+        held = slices.get(_param_of(name))
+        if held is None:
+            out[key] = value
+            continue
+        sliced = tp_piece_name(name, held[0])
+        out[sliced if start is None else piece_name(sliced, start)] = value
+    return out
+
+
+def whole_slices(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """`tensors` from copies in memory with the flat pieces of each tp slice (several dp
+    ranks' shares of it) put together into the slice, shaped by its tensor's global shape in
+    `shapes` (by parameter name); the rest as they are. A piece missing is an error."""
+    out, flat = {}, {}
+    for key, t in tensors.items():
+        name, start = split_piece_name(key)
+        (flat if start is not None and split_tp_piece_name(name)[1] is not None else out)[key] = t
+    pieces = FlatPieces(flat)
+    for name in pieces.names:
+        tensor, part = split_tp_piece_name(name)
+        shape = list(shapes[_param_of(tensor)])
+        shape[part.dim] //= part.parts
+        out[name] = pieces.read(name).reshape(shape)
     return out
 
 
