@@ -282,9 +282,14 @@ def test_a_slice_built_on_the_meta_device_initialises_as_the_whole_models_slice(
 TP_PLAN = [("zb-h1", 4), ("1f1b", 2)]  # the split backward, then whole backwards on the state after it
 TP_GRIDS = {
     "pp2-tp2-gqa": dict(model={"n_layers": 4, "n_kv_heads": 2}, parallel={"pp": 2, "tp": 2}),
-    # Dropout inside the split layers and around them, whole-block recompute.
-    "dp2-tp2-dropout-recompute": dict(model={"n_layers": 2, "dropout": 0.2}, parallel={"dp": 2, "tp": 2},
-                                      train={"global_batch_size": 16}, runtime={"recompute": "block"}),
+    # Dropout inside the split layers and around them, whole-block recompute; the sharded
+    # optimizer (ZeRO-1) over dp=2 on each tp rank's slices, the norms and MoE layers (whole on
+    # both tp workers, gradients partial under sequence parallelism) shared alike; small
+    # buckets, so parameters span several.
+    "dp2-tp2-sharded-moe-sequence-parallel-dropout-recompute": dict(
+        model={"n_layers": 2, "dropout": 0.2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01},
+        parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "shard_optimizer": True, "grad_bucket_mb": 0.01},
+        train={"global_batch_size": 16, "eps": 1e-6}, runtime={"recompute": "block"}),
     # Sequence parallelism: norms, residuals and the hidden states between stages hold each
     # tp rank's half of the sequence (and take that half of each sample's dropout mask).
     "pp2-tp2-sequence-parallel-dropout-recompute": dict(model={"n_layers": 4, "dropout": 0.2},
@@ -302,14 +307,6 @@ TP_GRIDS = {
                                                  "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001},
                                           parallel={"ep": 2, "tp": 2, "sequence_parallel": True},
                                           train={"global_batch_size": 16, "eps": 1e-6}),
-    # The sharded optimizer (ZeRO-1) over dp=2 on each tp rank's slices, the norms and MoE
-    # layers (whole on both tp workers, gradients partial under sequence parallelism) shared
-    # alike; small buckets, so parameters span several.
-    "dp2-tp2-sharded-moe-sequence-parallel": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
-                                                         "moe_aux_loss_coef": 0.01},
-                                                  parallel={"dp": 2, "tp": 2, "sequence_parallel": True,
-                                                            "shard_optimizer": True, "grad_bucket_mb": 0.01},
-                                                  train={"global_batch_size": 16, "eps": 1e-6}),
 }
 
 
