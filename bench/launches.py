@@ -10,10 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PREFIX = "LAUNCH "
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tree_env(tree: Path) -> dict[str, str]:
@@ -66,3 +67,25 @@ def each_launch(module: str, args: argparse.Namespace, kinds: list[str], tree: P
             argv = ["-m", module, "--out", str(args.out), "--launch", kind, "--steps", str(args.steps),
                     "--work", str(args.work / f"round{r}"), *(["--cpu"] if args.cpu else [])]
             yield {**run_launch(argv, tree, f"{kind} of round {r}"), "round": r}
+
+
+def alternate(module: str, doc: str, kinds: list[str], default_kinds: list[str], steps: int, work: str,
+              launch: Callable[[str, int, Path, bool], dict], describe: Callable[[dict], str],
+              table: Callable[[list[dict]], str], stem: str) -> None:
+    """The main of a script that alternates launches: with the internal --launch KIND, run
+    `launch(kind, steps, work, cpu)` here and print its result; else every round's launches
+    (`each_launch`), each described by `describe` as it ends, and after each one
+    OUT/<stem>.json and OUT/<stem>.md (`table`), so that a call cut short keeps what it measured."""
+    args = launch_parser(doc, kinds, default_kinds, steps=steps, work=work).parse_args()
+    if args.launch:
+        print(PREFIX + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
+        return
+    chosen = chosen_kinds(args.kinds, kinds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    for res in each_launch(module, args, chosen, ROOT):
+        results.append(res)
+        print(f"round {res['round']} {res['kind']}: {describe(res)}", flush=True)
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / f"{stem}.md").write_text(table(results))
+    print(table(results))

@@ -14,11 +14,10 @@ Writes DIR/one_gpu.json and DIR/one_gpu.md.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from bench.launches import chosen_kinds, each_launch, launch_parser
+from bench.launches import alternate
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_ONE = ["parallel.pp=1", "parallel.ep=1", "train.global_batch_size=16"]
@@ -70,22 +69,9 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = launch_parser(__doc__, list(KINDS), list(KINDS), steps=12, work="/tmp/one-gpu")
-    args = ap.parse_args()
-    if args.launch:
-        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
-        return
-    kinds = chosen_kinds(args.kinds, list(KINDS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for res in each_launch("bench.one_gpu", args, kinds, ROOT):
-        results.append(res)
-        print(f"round {res['round']} {res['kind']}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
-              f"MFU {res['mfu']:.3f}", flush=True)
-        # Written after every launch: a call cut short keeps what ran.
-        (args.out / "one_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out / "one_gpu.md").write_text(table(results))
-    print(table(results))
+    alternate("bench.one_gpu", __doc__, list(KINDS), list(KINDS), 12, "/tmp/one-gpu", launch,
+              lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.0f} ms, MFU {r['mfu']:.3f}",
+              table, "one_gpu")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ DIR/schedules.json and .md.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from bench.launches import chosen_kinds, each_launch, launch_parser
+from bench.launches import alternate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half")
@@ -57,22 +56,9 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
 
 
 def main() -> None:
-    ap = launch_parser(__doc__, list(KINDS), DEFAULT_KINDS, steps=10, work="/tmp/schedules")
-    args = ap.parse_args()
-    if args.launch:
-        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
-        return
-    kinds = chosen_kinds(args.kinds, list(KINDS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for res in each_launch("bench.schedules", args, kinds, ROOT):
-        results.append(res)
-        print(f"round {res['round']} {res['kind']}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.1f} ms, "
-              f"bubble {res['bubble']:.3f}", flush=True)
-        # After every launch: a call cut short keeps what it measured.
-        (args.out / "schedules.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out / "schedules.md").write_text(table(results))
-    print(table(results))
+    alternate("bench.schedules", __doc__, list(KINDS), DEFAULT_KINDS, 10, "/tmp/schedules", launch,
+              lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms, bubble {r['bubble']:.3f}",
+              table, "schedules")
 
 
 def table(results: list[dict]) -> str:

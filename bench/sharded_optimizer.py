@@ -15,11 +15,10 @@ that starting it inside backward hides. Writes DIR/sharded_optimizer.json and .m
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from bench.launches import chosen_kinds, each_launch, launch_parser
+from bench.launches import alternate
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -54,22 +53,11 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
 
 
 def main() -> None:
-    ap = launch_parser(__doc__, list(KINDS), list(KINDS), steps=12, work="/tmp/sharded-optimizer")
-    args = ap.parse_args()
-    if args.launch:
-        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
-        return
-    kinds = chosen_kinds(args.kinds, list(KINDS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for res in each_launch("bench.sharded_optimizer", args, kinds, ROOT):
-        results.append(res)
-        print(f"round {res['round']} {res['kind']}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
-              f"optimizer {max(res['optimizer_bytes']) / 2**20:,.0f} MiB per worker, "
-              f"reduce {res['reduce_ms']:.1f} ms, optimizer step {res['optimizer_ms']:.1f} ms", flush=True)
-    (args.out / "sharded_optimizer.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "sharded_optimizer.md").write_text(table(results))
-    print(table(results))
+    alternate("bench.sharded_optimizer", __doc__, list(KINDS), list(KINDS), 12, "/tmp/sharded-optimizer", launch,
+              lambda r: (f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.0f} ms, optimizer "
+                         f"{max(r['optimizer_bytes']) / 2**20:,.0f} MiB per worker, reduce {r['reduce_ms']:.1f} ms, "
+                         f"optimizer step {r['optimizer_ms']:.1f} ms"),
+              table, "sharded_optimizer")
 
 
 def table(results: list[dict]) -> str:
