@@ -43,8 +43,8 @@ from raypar.runtime.p2p import Inflight, connect_channels
 from raypar.runtime.report import ReportTail, StepReport, Unit, compute_seconds, program_units
 from raypar.runtime.recent_states import RecentStates
 from raypar.runtime.snapshot import StateSnapshot
-from raypar.runtime.state import (checkpoint_pieces, global_shapes, tp_named, load_state, names_to_load, rng_states, state_layout,
-                                  state_tensors, takes_snapshots)
+from raypar.runtime.state import (checkpoint_pieces, global_shapes, load_state, names_to_load, rng_states,
+                                  state_layout, state_tensors, takes_snapshots, tp_named)
 from raypar.schedule import Action, Op, comm_groups, run_layout
 from raypar.topology import Grid
 
