@@ -53,7 +53,18 @@ def test_nccl_tensor_parallel_matches_reference(ray_session, tmp_path, sequence_
     """tp=2 over NCCL: the split layers' all-reduces (or gathers and reduce-scatters), the
     vocabulary-parallel loss and the gathered gradients equal the single GPU's."""
     _need_gpus(2)
-    _matches_on_nccl(tmp_path, {"tp": 2, "sequence_parallel": sequence_parallel}, [("1f1b", 4), ("zb-h1", 4)], model)
+    # pp=1: the two GPUs are one cell (the tiny config's default is pp=2).
+    _matches_on_nccl(tmp_path, {"pp": 1, "tp": 2, "sequence_parallel": sequence_parallel}, [("1f1b", 4), ("zb-h1", 4)],
+                     model)
+
+
+def test_nccl_tensor_parallel_with_the_sharded_optimizer_matches_reference(ray_session, tmp_path):
+    """dp=2 x tp=2 over NCCL with the optimizer sharded over dp on each tp rank's slices, MoE
+    layers under sequence parallelism: the same losses and gradients as one GPU."""
+    _need_gpus(4)
+    _matches_on_nccl(tmp_path, {"dp": 2, "pp": 1, "tp": 2, "sequence_parallel": True, "shard_optimizer": True,
+                                "grad_bucket_mb": 0.01},
+                     [("1f1b", 4), ("zb-h1", 4)], MOE)
 
 
 def _matches_on_nccl(tmp_path, parallel: dict, plan: list[tuple[str, int]], model: dict | None = None) -> None:
