@@ -271,6 +271,13 @@ class ShardedOptimizer(MasterOptimizer):
             for i, _ in enumerate(family.params):
                 family.params[i][1].register_post_accumulate_grad_hook(family.accumulate_hook(i))
         self._wait_before_forwards(module)
+        # The shares' gradients of tp slices and of what every tp worker holds whole (views,
+        # made once: the norm and the sum over tp read them every step).
+        self._tp_sliced_grads, self._tp_whole_grads = [], []
+        for family in self.families:
+            for seg in family.segments:
+                (self._tp_sliced_grads if seg.key in self.tp_slices else self._tp_whole_grads).append(
+                    seg.of(family.grad_share))
         # The base class's EMA works on `master`: here one share per family.
         self.master = [f.master for f in self.families]
         self.ema = None
@@ -421,13 +428,9 @@ class ShardedOptimizer(MasterOptimizer):
             torch._foreach_div_([f.grad_share for f in self.families], float(replicas))
         if tp == 1:
             return self.local_sq_norm()
-        whole, sliced = [], []
-        for f in self.families:
-            for seg in f.segments:
-                (sliced if seg.key in self.tp_slices else whole).append(seg.of(f.grad_share))
         if sequence_parallel:
-            all_reduce_(whole, tp_group, self.timeout)
-        return self.local_sq_norm(sliced) + self.local_sq_norm(whole) / tp
+            all_reduce_(self._tp_whole_grads, tp_group, self.timeout)
+        return self.local_sq_norm(self._tp_sliced_grads) + self.local_sq_norm(self._tp_whole_grads) / tp
 
     # -- the step ----------------------------------------------------------------------
 

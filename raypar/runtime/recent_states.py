@@ -45,7 +45,7 @@ OWN_KEPT = 3
 # replicas, so the other ranks must still hold their own copies of it.
 OWN_SLOTS = OWN_KEPT + 3
 # Copies a worker holds at most when it sends no replicas (alone, or on one node with its
-# copies in shared memory): the newest and one being made. The other slots get buffers only
+# copies in shared memory): its kept copies and one being made. The other slots get buffers only
 # once a peer is set.
 OWN_SLOTS_ALONE = OWN_KEPT + 1
 # Replicas a worker keeps of each peer's state: the newest may be of a step the driver has
