@@ -23,6 +23,9 @@ class WorkerCheckpoints:
         self.group = group
         self.writers: dict = {}  # node id -> CheckpointWriter, started on first use
         self._shard_writes: list = []  # the last snapshot's shard writes, still reading the workers' buffers
+        # The started writers' first cleanups: a save waits for them, or one could remove the
+        # directory the save is writing.
+        self._cleanups: list = []
 
     def _started_writers(self, root: str) -> dict:
         """One checkpoint writer per node that holds workers, pinned to that node: it removes
@@ -39,10 +42,26 @@ class WorkerCheckpoints:
                 ).remote(root, cfg.keep_last)
         return self.writers
 
-    def start_writers(self, root: str, timeout: float) -> None:
-        """Start the writers (an actor start inside the step loop would stall it) and remove
-        the partial directories of saves that never committed."""
-        ray.get([w.cleanup.remote() for w in self._started_writers(root).values()], timeout=timeout)
+    def start_writers(self, root: str) -> None:
+        """Start the writers (an actor start inside the step loop would stall it), each to
+        remove the partial directories of saves that never committed, without waiting for
+        them: their processes start while the workers load and step (on a recovery's path, a
+        writer's start took as long as the rest of the state load). `wait_writers` first."""
+        self._cleanups = [w.cleanup.remote() for w in self._started_writers(root).values()]
+
+    def wait_writers(self, timeout: float) -> float:
+        """Block until the writers `start_writers` started are up and have cleaned up;
+        returns the seconds waited. Raises CheckpointError when they are not within `timeout`."""
+        from raypar.checkpoint import CheckpointError
+
+        t0 = time.perf_counter()
+        cleanups, self._cleanups = self._cleanups, []
+        try:
+            ray.get(cleanups, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise CheckpointError(f"the checkpoint writers did not start within checkpoint.timeout_s={timeout:g}s "
+                                  f"(an actor each on {len(self.writers)} node(s))") from e
+        return time.perf_counter() - t0
 
     def clean_before(self, root: str, keep: str) -> None:
         """Remove partial directories of failed saves, except `keep` (about to be written)."""
@@ -53,6 +72,7 @@ class WorkerCheckpoints:
         for w in self.writers.values():
             kill(w)
         self.writers = {}
+        self._cleanups = []
 
     def keep_writers_on(self, nodes: set[str]) -> None:
         """Keep the writers of `nodes` (those that still hold workers); drop the others."""

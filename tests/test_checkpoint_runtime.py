@@ -184,3 +184,47 @@ def test_the_final_save_waits_for_the_one_still_writing_even_with_when_busy_skip
     assert saver.ready_for() == (False, 0.0) and saver.skipped == 1
     go, waited = saver.ready_for(final=True)
     assert go and waited > 0.5 and [r.error for r in saver.results] == [None]
+
+
+def test_a_save_whose_writers_did_not_start_fails_alone_and_the_next_starts_them_again(tmp_path):
+    """The writers start without the driver waiting (their start was on a recovery's path);
+    the first save waits for them. Writers that do not start fail that save alone: training
+    goes on, and the next save replaces them."""
+    from raypar.checkpoint import CheckpointError
+    from raypar.driver.saver import Saver
+    from raypar.topology import Grid
+
+    class Writers:  # the part of WorkerCheckpoints a save's start calls
+        def __init__(self):
+            self.calls: list[str] = []
+
+        def start_writers(self, root):
+            self.calls.append("start")
+
+        def wait_writers(self, timeout):
+            self.calls.append("wait")
+            if self.calls.count("wait") == 1:
+                raise CheckpointError(f"the checkpoint writers did not start within checkpoint.timeout_s={timeout:g}s")
+            return 0.0
+
+        def reset_writers(self):
+            self.calls.append("reset")
+
+        def clean_before(self, root, keep):
+            self.calls.append("clean")
+
+        def save(self, root, step, meta):
+            self.calls.append("save")
+            return "the commit's ref"
+
+    logs: list[str] = []
+    cfg = config(tmp_path, "run", every=2)
+    saver, writers = Saver(cfg, tmp_path, log=logs.append), Writers()
+    saver.start(writers)
+    saver.begin(2, 16, cfg, Grid(1, 2, 1))
+    assert writers.calls == ["start", "wait"] and saver._pending is None
+    (failed,) = saver.results
+    assert failed.step == 2 and "did not start within checkpoint.timeout_s" in failed.error
+    assert "not saving step 2" in logs[-1] and "stays valid" in logs[-1]
+    saver.begin(4, 32, cfg, Grid(1, 2, 1))
+    assert writers.calls[2:] == ["reset", "wait", "clean", "save"] and saver._pending[0] == 4

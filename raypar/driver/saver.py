@@ -81,7 +81,7 @@ class Saver:
         actor start inside the loop would stall it."""
         self._workers = workers
         if self.policy.checkpoint.every > 0:
-            workers.start_writers(str(self.root), self.timeout_s)
+            workers.start_writers(str(self.root))
 
     def ready_for(self, final: bool = False) -> tuple[bool, float]:
         """May a save start now? Returns (go, seconds the loop was held up deciding). The
@@ -119,6 +119,13 @@ class Saver:
         if self._writers_failed:
             self._workers.reset_writers()
             self._writers_failed = False
+        try:
+            self._workers.wait_writers(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - like a failed save: training goes on, the next save tries again
+            self._record(SaveResult(steps_done, None, 0, 0.0, 0.0, error=repr(e)[:500]))
+            self._writers_failed = True
+            self.log(f"checkpoint: not saving step {steps_done}: {e}; the last committed checkpoint stays valid")
+            return
         # Partial directories of failed saves go; the one about to be written stays.
         self._workers.clean_before(str(self.root), str(checkpoint_dir(self.root, steps_done)))
         meta = {"consumed_samples": consumed, "config": cfg.to_dict(),
