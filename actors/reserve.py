@@ -114,9 +114,10 @@ class WorkerReserve:
                 kill(w)
                 idle.append((slot, None))
         self.survivors = survivors
-        alive = self.survivor_nodes()
+        alive = self.proven_nodes()
         # A slot's bundle stays reserved after its worker died. Reuse it only where a survivor
-        # just proved the node alive: a lost node's bundles wait for Ray to place them again.
+        # or a standby just proved the node alive: a lost node's bundles wait for Ray to place
+        # them again.
         nodes = [bundle_node(slot) for slot, _ in idle]
         self.idle = [(slot, node if node in alive else None) for (slot, _), node in zip(idle, nodes)]
         # The standbys' free bundles, like the workers', count only on nodes proven alive.
@@ -127,6 +128,15 @@ class WorkerReserve:
     def survivor_nodes(self) -> set[str]:
         """The nodes the survivors run on: alive, as their answers just proved."""
         return {node for *_, node in self.survivors}
+
+    def proven_nodes(self) -> set[str]:
+        """The nodes a survivor or a standby that answered the salvage runs on."""
+        return self.survivor_nodes() | {bundle_node(slot) for _, slot in self._standbys_ready}
+
+    def has_ready_standbys(self) -> bool:
+        """Whether a standby answered the last salvage: it can take a lost rank even when no
+        worker survived (a one-worker grid, or every worker on a lost node)."""
+        return bool(self._standbys_ready)
 
     def _sort_standbys(self, pings: list, answered: set) -> None:
         """Standbys that answered may replace lost workers; dead ones are dropped; the rest

@@ -200,6 +200,24 @@ def test_standby_worker_replaces_lost_workers(ray_session, tmp_path, data, unint
     assert summary.consumed_samples == reference.consumed_samples
 
 
+def test_a_standby_replaces_the_only_worker(ray_session, tmp_path, data, uninterrupted):
+    """A one-worker grid: no worker survives the kill, and the standby takes its rank (on the
+    lost worker's GPU where there is one), restoring from the copies the lost process left
+    in shared memory. Before, a recovery with no survivor dropped the standby with the group
+    and started a new worker."""
+    reference = uninterrupted((1, 1, 1), None)
+    kills = KillWithStandby()
+    kills.kills = {3: 0}
+    cfg = elastic_config(tmp_path, "alone", (1, 1, 1), standby_workers=1, standby_gpu="borrow")
+    summary = Trainer(cfg, callbacks=[kills]).fit()
+    (event,) = summary.recoveries
+    assert (event["workers_kept"], event["workers_started"], event["workers_from_standby"]) == (0, 0, 1), event
+    assert event["source"] == "memory" and event["steps_lost"] <= 1, event
+    assert kills.grids_after == [kills.standby_ids]
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+
+
 def test_standby_workers_need_a_recovery_that_keeps_survivors(tmp_path):
     from raypar.config import ConfigError, load_config
 

@@ -581,7 +581,7 @@ class Controller:
                 kept = self.group.salvage(self.cfg.elastic.survivor_timeout_s)
             except Exception as e:  # noqa: BLE001 - fall back to starting every worker again
                 self.log(f"raypar: could not keep the surviving workers ({type(e).__name__}: {e}); restarting all")
-        if kept:
+        if kept or (self.group is not None and self.group.reserve.has_ready_standbys()):
             # A save in flight died with its workers: its writers go too; else keep the writers
             # of nodes that still hold workers.
             if save_lost:
