@@ -35,25 +35,30 @@ def peers_of(nodes: list[str], shared: list[bool]) -> list[int]:
 
 
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
-                      peers: list[int], node_names: list[str] | None = None, held: list[int] | None = None) -> None:
+                      peers: list[int], node_names: list[str] | None = None, held: list[int] | None = None,
+                      reclaimable: list[int] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
     copies of its own state (`OWN_SLOTS`: the newest, one being made, the sources of its
     replicas; `OWN_SLOTS_ALONE` for a worker that sends none) and the replicas it keeps for
     its peer (the two newest). Lists are by rank;
     `available` is what each worker's host reported free, `held` what its copies already
-    held then (allocated at setup: not free, but theirs)."""
+    held then (allocated at setup: not free, but theirs), `reclaimable` what its node's
+    shared memory held of ended processes then (freed once a recovery restored from them:
+    counted once per node)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     count: dict[str, int] = {}
     held_on: dict[str, int] = {}
+    ended_on: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         slots = OWN_SLOTS if peers[rank] != rank else OWN_SLOTS_ALONE
         need[node] = need.get(node, 0) + slots * state_bytes[rank]
         free[node] = min(free.get(node, available[rank]), available[rank])
         count[node] = count.get(node, 0) + 1
         held_on[node] = held_on.get(node, 0) + (held[rank] if held else 0)
+        ended_on[node] = max(ended_on.get(node, 0), reclaimable[rank] if reclaimable else 0)
     for node in free:
-        free[node] += held_on[node]
+        free[node] += held_on[node] + ended_on[node]
     for source, keeper in enumerate(peers):
         if keeper != source:
             need[nodes[keeper]] += REPLICAS_KEPT * state_bytes[source]
@@ -120,7 +125,8 @@ class WorkerMemory:
         peers = peers_of(nodes, shared)
         state_bytes, node_names = [i["state_bytes"] for i in g.info], [i["node"] for i in g.info]
         check_host_memory(g.cfg.elastic.memory_every, nodes, state_bytes, [i["host_available_bytes"] for i in g.info],
-                          peers, node_names, [i.get("memory_held_bytes", 0) for i in g.info])
+                          peers, node_names, [i.get("memory_held_bytes", 0) for i in g.info],
+                          [(i.get("shared_memory") or {}).get("ended_bytes", 0) for i in g.info])
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
         check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
         self.generation = next(_GENERATIONS)
@@ -153,9 +159,17 @@ class WorkerMemory:
         g = self.group
         t0 = time.perf_counter()
         timeout = g.cfg.checkpoint.timeout_s
-        sources = g.get([g.workers[index].export_memory.remote(rank, step, generation) for rank, index in holders.items()],
-                        timeout, "export_memory")
-        loaded = g.get([w.load_memory.remote(sources, same_grid) for w in g.workers], timeout, "load_memory")
+        # On the same grid, without tp slices or optimizer shares (which are put together from
+        # several ranks' states), worker r needs rank r's state alone: where it holds that
+        # itself (its own copy, or a lost process's in its node's shared memory) it reads it
+        # in place rather than through the object store.
+        alone = same_grid and g.grid.tp == 1 and not g.cfg.parallel.shard_optimizer
+        local = {rank for rank, index in holders.items() if alone and index == rank}
+        sources = g.get([g.workers[index].export_memory.remote(rank, step, generation)
+                         for rank, index in holders.items() if rank not in local], timeout, "export_memory")
+        loaded = g.get([w.load_memory.remote([] if r in local else sources, same_grid,
+                                             (r, step, generation) if r in local else None)
+                        for r, w in enumerate(g.workers)], timeout, "load_memory")
         self.clear()
         return loaded, time.perf_counter() - t0
 

@@ -22,7 +22,7 @@ from raypar.resources import host_available_bytes
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
-from raypar.runtime.recent_states import OWN_SLOTS_ALONE, RecentStates, pack, tensor_name, unpack
+from raypar.runtime.recent_states import OWN_SLOTS, OWN_SLOTS_ALONE, RecentStates, pack, tensor_name, unpack
 from raypar.model.tensor_parallel import join_tp_pieces
 from raypar.runtime.state import whole_slices
 from raypar.runtime.shared_copies import SharedCopies, process_running
@@ -80,6 +80,9 @@ class StageWorker:
         # a recovery restores from them. `_peer`: the worker its copies go to.
         self.recent = RecentStates(self._shared_copies())
         self._peer = None
+        # Copies whose host buffers a recovery's setup left for after its first step: pinning
+        # gigabytes holds up the process's CUDA calls, the state load's copies included.
+        self._reserve_after_step = 0
         self.program_version = 0  # of the program set by set_program; 0: none yet
         self._profiler: StepProfiler | None = None  # runtime.profile_step's, from the step before it
         # Set when a step failed or the driver aborted: the groups are broken and steps
@@ -114,7 +117,7 @@ class StageWorker:
         shared = self.recent.shared
         if shared is None:
             return None
-        return {"short": shared.short, "free_bytes": shared.free_bytes()}
+        return {"short": shared.short, "free_bytes": shared.free_bytes(), "ended_bytes": shared.ended_bytes()}
 
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
@@ -206,11 +209,16 @@ class StageWorker:
         self._snapshot_buffers = {}
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             # The copies' host buffers: at the run's start before the first step (counted in
-            # "build"); in a recovery beside the steps after it, which should not wait.
-            # Those of the copies a worker sending no replicas uses; `set_memory_peer` adds the rest.
-            self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
-                                                                 pin=self.device.type == "cuda", wait=cfg is None,
-                                                                 slots=OWN_SLOTS_ALONE)
+            # "build"); in a recovery once its first step is done, beside the steps after it
+            # (pinned during the state load, they held it up: 11-12 s of a 4.6 GB state's load
+            # on one H200, BENCHMARKS.md). Those of the copies a worker sending no replicas
+            # uses; `set_memory_peer` adds the rest.
+            if cfg is None:
+                self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
+                                                                     pin=self.device.type == "cuda",
+                                                                     slots=OWN_SLOTS_ALONE)
+            else:
+                self._reserve_after_step = OWN_SLOTS_ALONE
         # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
@@ -272,6 +280,10 @@ class StageWorker:
             if memory:
                 report.checkpoint_stall_s += self.runtime.keep_recent(
                     step, self.recent, self._send_replica if replicate else None)
+            if self._reserve_after_step:
+                self.recent.reserve(self.runtime.memory_layout(), pin=self.device.type == "cuda", wait=False,
+                                    slots=self._reserve_after_step)
+                self._reserve_after_step = 0
             report.memory_busy = self.recent.busy(step + 1)
             report.replica_busy = self.recent.sending()
         except BaseException as e:
@@ -335,8 +347,12 @@ class StageWorker:
         self.recent.generation = generation
         if peer is not None:
             # The copies its replicas come from stay behind the newest: buffers for them too,
-            # beside the next steps (a copy that finds its buffers still pinning is skipped).
-            self.recent.reserve(self.runtime.memory_layout(), pin=self.device.type == "cuda", wait=False)
+            # beside the next steps (a copy that finds its buffers still pinning is skipped);
+            # in a recovery, after its first step with the rest.
+            if self._reserve_after_step:
+                self._reserve_after_step = OWN_SLOTS
+            else:
+                self.recent.reserve(self.runtime.memory_layout(), pin=self.device.type == "cuda", wait=False)
 
     def _send_replica(self, steps_done: int) -> None:
         """Send the copy of the state after `steps_done` steps to the peer and wait until it
@@ -374,11 +390,15 @@ class StageWorker:
         tensors = self.recent.tensors(rank, steps_done, generation)
         return sorted({tensor_name(key) for key in tensors}), [ray.put(pack(tensors))]
 
-    def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool) -> dict:
+    def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool,
+                    local: tuple[int, int, int | None] | None = None) -> dict:
         """Load this worker's state from `export_memory` results, fetching only the sources
-        that hold some of it; returns its rank and the bytes loaded."""
+        that hold some of it, and from `local` (rank, steps done, generation): a state this
+        worker holds itself, read in place; returns its rank and the bytes loaded."""
         needed = self.runtime.state_names()
         tensors: dict[str, torch.Tensor] = {}
+        if local is not None:
+            tensors.update({k: t for k, t in self.recent.tensors(*local).items() if tensor_name(k) in needed})
         for names, refs in sources:
             if needed.intersection(names):
                 tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them

@@ -188,6 +188,11 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
     check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[alone - 3 * gib])
     with pytest.raises(ConfigError, match=rf"has {OWN_SLOTS_ALONE - 0.5:.1f} GiB available"):
         check_host_memory(1, ["n"], [gib], [3 * gib], [0], held=[alone - 3.5 * gib])
+    # A lost worker's files in shared memory (a recovery restores from them, then frees
+    # them) count as room, once per node whichever of its workers reports them.
+    check_host_memory(1, ["n", "n"], [gib] * 2, [gib] * 2, [0, 1], reclaimable=[2 * alone - gib] * 2)
+    with pytest.raises(ConfigError, match=rf"has {2 * OWN_SLOTS_ALONE - 1:.1f} GiB available"):
+        check_host_memory(1, ["n", "n"], [gib] * 2, [gib] * 2, [0, 1], reclaimable=[2 * alone - 2 * gib] * 2)
 
 
 def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():

@@ -68,8 +68,10 @@ def test_a_dead_processes_copies_are_read_by_another_on_its_node(tmp_path):
     assert SharedCopies.open("run", "node-b", root=tmp_path).inventory(GENERATION) == []
     with pytest.raises(KeyError):
         here.read(3, 3, GENERATION)
-    # A clear forgets them and removes the dead process's files.
+    # Its files count as room a clear frees; then a clear forgets them and removes them.
+    assert here.ended_bytes() >= 2 * 1000 * 2 + 7 * 4
     recent.clear()
+    assert here.ended_bytes() == 0
     assert here.inventory(GENERATION) == [] and list((tmp_path / here.node_dir.relative_to(tmp_path)).iterdir()) == []
 
 

@@ -138,6 +138,19 @@ class SharedCopies:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
+    def ended_bytes(self) -> int:
+        """Memory the run's files of ended processes on this node hold: the next `clear` frees
+        it (after a recovery restored from them, or at a run's start)."""
+        total = 0
+        for folder in self.node_dir.glob("p*"):
+            if folder != self.own_dir and not process_running(int(folder.name[1:])):
+                for path in folder.glob("*.bin"):
+                    try:
+                        total += path.stat().st_blocks * 512  # what tmpfs holds, not the apparent size
+                    except FileNotFoundError:  # cleared meanwhile
+                        pass
+        return total
+
     def commit(self, slot: str, rank: int, step: int, generation: int, tensors: dict[str, torch.Tensor]) -> bool:
         """Say that the slot's file holds `rank`'s state after `step` steps. Tensors not in the
         file (the RNG states a copy takes as they are) are written beside it, up to
