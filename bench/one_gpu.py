@@ -5,8 +5,13 @@
   tokens); MFU by active parameters. No all-to-all (ep=1): its exposed share needs 2 GPUs.
 - States copied to host memory after every step (`elastic.memory_every=1`), into shared
   memory registered with CUDA (the default) or the worker's own pinned memory, against none:
-  `gpt-1b.yaml` cut to 4 layers (its 6 copies of a whole 0.84B state do not fit a 128 GiB
-  host beside Ray), one worker, so no replica travels to a peer.
+  the whole `gpt-1b.yaml` (0.84B) on one worker, so no replica travels to a peer and the
+  worker holds 4 copies of its 11.8 GB state (`-4-layers` kinds: the model cut to 4 layers).
+- A killed worker's recovery on one GPU (`recovery-borrowed`; `-whole`: the 0.84B model): the 4-layer model with copies
+  every step and a save every 4 steps; its only worker is killed after a save has committed,
+  and a standby that holds no GPU takes the GPU once the lost process is gone, restoring from
+  the copies the lost process left in shared memory. Kill to the first step after it, and
+  the recovery's phases. One worker, so no survivor and no replica.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -21,7 +26,11 @@ from bench.launches import alternate
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_ONE = ["parallel.pp=1", "parallel.ep=1", "train.global_batch_size=16"]
-MEMORY = ["model.n_layers=4", "parallel.pp=1", "elastic.enabled=true", "checkpoint.every=0"]
+MEMORY = ["parallel.pp=1", "elastic.enabled=true", "checkpoint.every=0"]
+FOUR_LAYERS = [*MEMORY, "model.n_layers=4"]
+RECOVERY = ["elastic.memory_every=1", "checkpoint.every=4", "checkpoint.when_busy=skip", "checkpoint.keep_last=2",
+            "elastic.standby_workers=1", "elastic.standby_gpu=borrow", "elastic.survivor_timeout_s=5",
+            "elastic.min_workers=1"]
 KINDS = {
     "dense": ("gpt-1b.yaml", ON_ONE),
     "moe-kernels-on": ("moe-scale.yaml", [*ON_ONE, "runtime.kernels=true"]),
@@ -29,10 +38,14 @@ KINDS = {
     "memory-off": ("gpt-1b.yaml", [*MEMORY, "elastic.memory_every=0"]),
     "memory-shared": ("gpt-1b.yaml", [*MEMORY, "elastic.memory_every=1", "elastic.memory_shared=true"]),
     "memory-pinned": ("gpt-1b.yaml", [*MEMORY, "elastic.memory_every=1", "elastic.memory_shared=false"]),
+    "memory-off-4-layers": ("gpt-1b.yaml", [*FOUR_LAYERS, "elastic.memory_every=0"]),
+    "memory-shared-4-layers": ("gpt-1b.yaml", [*FOUR_LAYERS, "elastic.memory_every=1"]),
+    "recovery-borrowed": ("gpt-1b.yaml", [*FOUR_LAYERS, *RECOVERY]),
+    "recovery-borrowed-whole": ("gpt-1b.yaml", [*MEMORY, *RECOVERY]),
 }
 # Ratios the table shows: (kind, against).
 RATIOS = [("moe-kernels-on", "dense"), ("moe-kernels-on", "moe-kernels-off"), ("memory-shared", "memory-off"),
-          ("memory-pinned", "memory-off")]
+          ("memory-pinned", "memory-off"), ("memory-shared-4-layers", "memory-off-4-layers")]
 STEADY_FROM = 3  # steps before this one pay for warm-up
 
 
@@ -44,6 +57,8 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
         config = "tiny-moe.yaml" if kind.startswith("moe") else "tiny.yaml"
         overrides = [o for o in overrides if not o.startswith(("model.n_layers", "train.global_batch_size"))]
         overrides += ["runtime.device=cpu"]
+    if kind.startswith("recovery"):
+        return recovery(kind, config, overrides, work, cpu)
     cfg = load_config(str(ROOT / "configs" / config),
                       [*overrides, f"train.steps={steps}", f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
     s = Trainer(cfg, log=lambda m: None).fit()
@@ -53,10 +68,37 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
             "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config}
 
 
+def recovery(kind: str, config: str, overrides: list[str], work: Path, cpu: bool) -> dict:
+    """Kill the only worker once a save has committed; the run stops after the first step
+    completed after the recovery (`bench.elastic.KillOnceCommitted`)."""
+    from bench.elastic import KillOnceCommitted
+    from raypar import Trainer, load_config
+
+    kill = KillOnceCommitted(0, min_step=7)  # after the save of step 4 (the first can be skipped)
+    cfg = load_config(str(ROOT / "configs" / config),
+                      [*overrides, "train.steps=200", f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
+    s = Trainer(cfg, callbacks=[kill], log=lambda m: None).fit()
+    if not s.recoveries or kill.kill_to_step_s is None:
+        raise RuntimeError(f"no recovery recorded (killed after step {kill.killed_after})")
+    event = s.recoveries[0]
+    keys = ("detection_s", "salvage_s", "workers_s", "setup_s", "load_s", "first_step_s", "recovery_s", "steps_lost",
+            "source", "workers_kept", "workers_started", "workers_from_standby")
+    return {"kind": kind, "kill_to_step_s": kill.kill_to_step_s, "killed_after": kill.killed_after,
+            **{k: event.get(k) for k in keys}, "overrides": overrides, "config": config}
+
+
+def describe(r: dict) -> str:
+    if "kill_to_step_s" in r:
+        return (f"kill to step {r['kill_to_step_s']:.2f} s (state load {r['load_s']:.2f} s, first step "
+                f"{r['first_step_s']:.2f} s), {r['steps_lost']} steps redone from {r['source']}")
+    return f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.0f} ms, MFU {r['mfu']:.3f}"
+
+
 def table(results: list[dict]) -> str:
     by_kind: dict[str, list[dict]] = {}
     for r in results:
-        by_kind.setdefault(r["kind"], []).append(r)
+        if "kill_to_step_s" not in r:
+            by_kind.setdefault(r["kind"], []).append(r)
     med = {k: statistics.median(x["tokens_per_s"] for x in rs) for k, rs in by_kind.items()}
     lines = ["| launch | tokens/s (each round) | median | MFU | memory copies |", "|---|---|---|---|---|"]
     for k, rs in by_kind.items():
@@ -65,13 +107,19 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {k} | {each} | {med[k]:,.0f} | {mfu:.3f} | {rs[0]['memory_copies']} |")
     lines += ["", "| ratio | tokens/s |", "|---|---|"]
     lines += [f"| {a} / {b} | {med[a] / med[b]:.3f} |" for a, b in RATIOS if a in med and b in med]
+    killed = [r for r in results if "kill_to_step_s" in r]
+    if killed:
+        lines += ["", "| launch | kill to step s | detection s | survivors' teardown s | workers up s | state load s | "
+                  "first step s | steps redone (from) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['kill_to_step_s']:.2f} | {r['detection_s']:.2f} | {r['salvage_s']:.2f} | "
+                  f"{r['workers_s']:.2f} | {r['load_s']:.2f} | {r['first_step_s']:.2f} | {r['steps_lost']} "
+                  f"({r['source']}) |" for r in killed]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    alternate("bench.one_gpu", __doc__, list(KINDS), list(KINDS), 12, "/tmp/one-gpu", launch,
-              lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.0f} ms, MFU {r['mfu']:.3f}",
-              table, "one_gpu")
+    alternate("bench.one_gpu", __doc__, list(KINDS), list(KINDS), 12, "/tmp/one-gpu", launch, describe, table,
+              "one_gpu")
 
 
 if __name__ == "__main__":
