@@ -7,11 +7,12 @@
   memory registered with CUDA (the default) or the worker's own pinned memory, against none:
   the whole `gpt-1b.yaml` (0.84B) on one worker, so no replica travels to a peer and the
   worker holds 4 copies of its 11.8 GB state (`-4-layers` kinds: the model cut to 4 layers).
-- A killed worker's recovery on one GPU (`recovery-borrowed`; `-whole`: the 0.84B model): the 4-layer model with copies
-  every step and a save every 4 steps; its only worker is killed after a save has committed,
-  and a standby that holds no GPU takes the GPU once the lost process is gone, restoring from
-  the copies the lost process left in shared memory. Kill to the first step after it, and
-  the recovery's phases. One worker, so no survivor and no replica.
+- A killed worker's recovery on one GPU (`recovery-borrowed`: the 4-layer model; `-whole`: the
+  0.84B model), with copies every step and a save every 4 steps; its only worker is killed
+  after a save has committed, and a standby that holds no GPU takes the GPU once the lost
+  process is gone, restoring from the copies the lost process left in shared memory. Kill
+  to the first step after it, and the recovery's phases. One worker, so no survivor and no
+  replica.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -58,7 +59,7 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
         overrides = [o for o in overrides if not o.startswith(("model.n_layers", "train.global_batch_size"))]
         overrides += ["runtime.device=cpu"]
     if kind.startswith("recovery"):
-        return recovery(kind, config, overrides, work, cpu)
+        return recovery(kind, config, overrides, work)
     cfg = load_config(str(ROOT / "configs" / config),
                       [*overrides, f"train.steps={steps}", f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
     s = Trainer(cfg, log=lambda m: None).fit()
@@ -68,7 +69,7 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
             "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config}
 
 
-def recovery(kind: str, config: str, overrides: list[str], work: Path, cpu: bool) -> dict:
+def recovery(kind: str, config: str, overrides: list[str], work: Path) -> dict:
     """Kill the only worker once a save has committed; the run stops after the first step
     completed after the recovery (`bench.elastic.KillOnceCommitted`)."""
     from bench.elastic import KillOnceCommitted
