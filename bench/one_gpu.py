@@ -12,7 +12,8 @@
   after a save has committed, and a standby that holds no GPU takes the GPU once the lost
   process is gone, restoring from the copies the lost process left in shared memory. Kill
   to the first step after it, and the recovery's phases. One worker, so no survivor and no
-  replica.
+  replica. `recovery-borrowed-storage`: the same with no copies in memory, so the standby
+  loads the last committed checkpoint from storage.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -43,6 +44,7 @@ KINDS = {
     "memory-shared-4-layers": ("gpt-1b.yaml", [*FOUR_LAYERS, "elastic.memory_every=1"]),
     "recovery-borrowed": ("gpt-1b.yaml", [*FOUR_LAYERS, *RECOVERY]),
     "recovery-borrowed-whole": ("gpt-1b.yaml", [*MEMORY, *RECOVERY]),
+    "recovery-borrowed-storage": ("gpt-1b.yaml", [*MEMORY, *RECOVERY, "elastic.memory_every=0"]),
 }
 # Ratios the table shows: (kind, against).
 RATIOS = [("moe-kernels-on", "dense"), ("moe-kernels-on", "moe-kernels-off"), ("memory-shared", "memory-off"),

@@ -14,6 +14,7 @@ state loads on any grid, sharded or not, and an unsharded one loads here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -461,13 +462,15 @@ class ShardedOptimizer(MasterOptimizer):
             if f.grad_share is not f.grads:
                 f.grad_share.zero_()
 
-    def set_weight(self, key: str, whole: torch.Tensor) -> None:
+    def set_weight(self, key: str, whole: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Set checkpoint tensor `key` from its whole value: the weights, and this rank's
-        share of its masters (the EMA is the caller's)."""
-        self._views[key].copy_(whole)
+        share of its masters (the EMA is the caller's). `copy(dst, src)` does the copies
+        (a load's `HostCopies.copy`; default `dst.copy_(src)`)."""
+        copy = copy or (lambda dst, src: dst.copy_(src.reshape(dst.shape)))
+        copy(self._views[key], whole)
         flat = whole.reshape(-1)
         for family, seg, _ in self.segments_by_key().get(key, []):
-            seg.of(family.master).copy_(flat[seg.start:seg.stop])
+            copy(seg.of(family.master), flat[seg.start:seg.stop])
 
     def segments_by_key(self) -> dict[str, list]:
         """`segment_states` by checkpoint name."""

@@ -180,14 +180,15 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
         assert record.grad_norm > 0 and math.isfinite(record.grad_norm), record.step
 
 
-@pytest.mark.parametrize("parallel", [{"pp": 2}, {"dp": 2, "pp": 1, "shard_optimizer": True}],
-                         ids=["pp2", "dp2-sharded"])
+@pytest.mark.parametrize("parallel", [{"pp": 1}, {"pp": 2}, {"dp": 2, "pp": 1, "shard_optimizer": True}],
+                         ids=["one", "pp2", "dp2-sharded"])
 def test_gpu_checkpoints_resume_exactly(ray_session, tmp_path, parallel):
     """Snapshots on GPU mark the step and copy beside the next one (side stream, pinned
     buffers, the optimizer waiting for them): what they save must be the state after the
     step they name, so a resumed run repeats the uninterrupted one bit for bit (with the
-    optimizer sharded too: each rank saves its share, the load slices it back)."""
-    _need_gpus(2)
+    optimizer sharded too: each rank saves its share, the load slices it back). The load
+    stages its copies through pinned buffers (`HostCopies`), converting bf16 on the device."""
+    _need_gpus(parallel.get("dp", 1) * parallel["pp"])
     from raypar.checkpoint import CheckpointReader, checkpoint_dir, latest
 
     def cfg(name: str, resume: str | None = None):
@@ -266,3 +267,23 @@ def test_killed_gpu_worker_recovers_keeping_the_survivor(ray_session, tmp_path):
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(8)] == [want[s] for s in range(8)]
     assert summary.consumed_samples == reference.consumed_samples
+
+
+def test_staged_host_copies_equal_plain_ones_on_the_gpu():
+    """`HostCopies` on CUDA: pinned buffers, one stream per stager, dtypes converted on the
+    device; a destination on the host is copied at once."""
+    from raypar.runtime.host_copies import host_copies
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(3000, 1000, generator=g), torch.randn(7, generator=g), torch.randn(1, generator=g),
+           torch.randn(2049, 513, generator=g)]
+    dst = [torch.empty(3000, 1000, device="cuda"), torch.empty(7, dtype=torch.bfloat16, device="cuda"),
+           torch.empty((), device="cuda"), torch.empty(2049, 513, dtype=torch.bfloat16, device="cuda")]
+    host = torch.empty(7)
+    with host_copies(torch.device("cuda"), chunk_bytes=1 << 20) as copies:
+        for d, s in zip(dst, src):
+            copies.copy(d, s)
+        copies.copy(host, src[1])
+    for d, s in zip(dst, src):
+        assert torch.equal(d.cpu(), s.reshape(d.shape).to(d.dtype))
+    assert torch.equal(host, src[1])

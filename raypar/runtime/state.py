@@ -25,6 +25,7 @@ from raypar.model import stage_param_shapes
 from raypar.schedule import run_layout
 from raypar.model.tensor_parallel import split_tp_piece_name, tp_piece_name
 from raypar.optim import MasterOptimizer, is_expert_param
+from raypar.runtime.host_copies import host_copies
 from raypar.runtime.snapshot import Layout
 from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.topology import Coord, Grid
@@ -277,20 +278,24 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
         else:
             missing_optim.append(name)
     values = read_ahead(read, plan, threads)
-    with torch.no_grad():
+    with host_copies(device) as copies:
+        for name, _, master, state, ema in pieces:
+            copies.copy(master, next(values))
+            if ema is not None and f"ema.{name}" in names:
+                copies.copy(ema, next(values))
+            if name not in missing_optim:
+                for key in ADAM_STATE:
+                    # Into the tensors the optimizer made at start (a checkpoint keeps step counts as [1]).
+                    copies.copy(state[key], next(values))
+    with torch.no_grad():  # what is made from the masters, once they are in
         for name, param, master, state, ema in pieces:
-            master.copy_(next(values))
             if optimizer.mixed:
                 param.copy_(master)
-            if ema is not None:
-                ema.copy_(next(values) if f"ema.{name}" in names else master)
+            if ema is not None and f"ema.{name}" not in names:
+                ema.copy_(master)
             if name in missing_optim:
                 for t in state.values():
                     t.zero_()  # AdamW starts fresh, on a live worker too
-            else:
-                for key in ADAM_STATE:
-                    # Into the tensors the optimizer made at start (a checkpoint keeps step counts as [1]).
-                    state[key].copy_(next(values).reshape(state[key].shape))
     _load_rng(read, names, rank, device)
     return missing_optim
 
@@ -379,19 +384,23 @@ def _load_sharded(optimizer: ShardedOptimizer, read, read_flat, names: set[str],
             elif key not in missing:
                 missing.append(key)
     values = read_ahead(lambda call: call(), reads, threads)
-    with torch.no_grad():
+    device = optimizer.master[0].device if optimizer.master else torch.device("cpu")
+    with host_copies(device) as copies:
         for key in keys:
             # The weight is read whole: the masters' share is a slice of it.
-            optimizer.set_weight(key, next(values).reshape(shapes[key]))
+            optimizer.set_weight(key, next(values).reshape(shapes[key]), copies.copy)
             for family, seg, state in by_key.get(key, []):
-                if optimizer.ema is not None:
-                    seg.of(optimizer.ema[family.index]).copy_(
-                        next(values) if f"ema.{key}" in names else seg.of(family.master))
+                if optimizer.ema is not None and f"ema.{key}" in names:
+                    copies.copy(seg.of(optimizer.ema[family.index]), next(values))
                 if f"optim.exp_avg.{key}" in names:
-                    state["exp_avg"].copy_(next(values))
-                    state["exp_avg_sq"].copy_(next(values))
-                    state["step"].copy_(next(values).reshape(()))
-                else:
+                    for name in ADAM_STATE:
+                        copies.copy(state[name], next(values))
+    with torch.no_grad():  # what is made from the masters, once they are in
+        for key in keys:
+            for family, seg, state in by_key.get(key, []):
+                if optimizer.ema is not None and f"ema.{key}" not in names:
+                    seg.of(optimizer.ema[family.index]).copy_(seg.of(family.master))
+                if f"optim.exp_avg.{key}" not in names:
                     for t in state.values():
                         t.zero_()
     return missing
