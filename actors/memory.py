@@ -36,7 +36,7 @@ def peers_of(nodes: list[str], shared: list[bool]) -> list[int]:
 
 def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], available: list[int],
                       peers: list[int], node_names: list[str] | None = None, held: list[int] | None = None,
-                      reclaimable: list[int] | None = None) -> None:
+                      reclaimable: list[int] | None = None, abandoned: list[int] | None = None) -> None:
     """Raise ConfigError when some node cannot hold what its workers keep: per worker the
     copies of its own state (`OWN_SLOTS`: the newest, one being made, the sources of its
     replicas; `OWN_SLOTS_ALONE` for a worker that sends none) and the replicas it keeps for
@@ -44,12 +44,14 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
     `available` is what each worker's host reported free, `held` what its copies already
     held then (allocated at setup: not free, but theirs), `reclaimable` what its node's
     shared memory held of ended processes then (freed once a recovery restored from them:
-    counted once per node)."""
+    counted once per node), `abandoned` what other runs' ended processes left there (named
+    in the error: only their removal frees it)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     count: dict[str, int] = {}
     held_on: dict[str, int] = {}
     ended_on: dict[str, int] = {}
+    left_on: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         slots = OWN_SLOTS if peers[rank] != rank else OWN_SLOTS_ALONE
         need[node] = need.get(node, 0) + slots * state_bytes[rank]
@@ -57,6 +59,7 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
         count[node] = count.get(node, 0) + 1
         held_on[node] = held_on.get(node, 0) + (held[rank] if held else 0)
         ended_on[node] = max(ended_on.get(node, 0), reclaimable[rank] if reclaimable else 0)
+        left_on[node] = max(left_on.get(node, 0), abandoned[rank] if abandoned else 0)
     for node in free:
         free[node] += held_on[node] + ended_on[node]
     for source, keeper in enumerate(peers):
@@ -70,7 +73,10 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
                 f"about {bytes_needed / 2**30:.1f} GiB for its {count[node]} worker(s) ({OWN_SLOTS} copies "
                 f"of each one's state, {OWN_SLOTS_ALONE} where it sends no replicas, and the replicas it keeps for its "
                 f"peers) and has {free[node] / 2**30:.1f} GiB "
-                f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory")
+                f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory"
+                + (f". Of its memory, {left_on[node] / 2**30:.1f} GiB is held by files in /dev/shm/raypar-* that "
+                   f"processes of other runs left when they ended (a crashed run leaves them): remove those "
+                   f"directories once those runs are over" if left_on[node] >= 2**30 / 10 else ""))
 
 
 def check_object_store(every: int, nodes: list[str], state_bytes: list[int], peers: list[int],
@@ -126,7 +132,8 @@ class WorkerMemory:
         state_bytes, node_names = [i["state_bytes"] for i in g.info], [i["node"] for i in g.info]
         check_host_memory(g.cfg.elastic.memory_every, nodes, state_bytes, [i["host_available_bytes"] for i in g.info],
                           peers, node_names, [i.get("memory_held_bytes", 0) for i in g.info],
-                          [(i.get("shared_memory") or {}).get("ended_bytes", 0) for i in g.info])
+                          [(i.get("shared_memory") or {}).get("ended_bytes", 0) for i in g.info],
+                          [(i.get("shared_memory") or {}).get("abandoned_bytes", 0) for i in g.info])
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
         check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
         self.generation = next(_GENERATIONS)

@@ -117,7 +117,8 @@ class StageWorker:
         shared = self.recent.shared
         if shared is None:
             return None
-        return {"short": shared.short, "free_bytes": shared.free_bytes(), "ended_bytes": shared.ended_bytes()}
+        return {"short": shared.short, "free_bytes": shared.free_bytes(), "ended_bytes": shared.ended_bytes(),
+                "abandoned_bytes": shared.abandoned_bytes()}
 
     def warm(self) -> None:
         """A standby's start-up work, done while it waits (elastic.standby_workers), so that
@@ -213,12 +214,14 @@ class StageWorker:
             # (pinned during the state load, they held it up: 11-12 s of a 4.6 GB state's load
             # on one H200, BENCHMARKS.md). Those of the copies a worker sending no replicas
             # uses; `set_memory_peer` adds the rest.
-            if cfg is None:
+            if cfg is None and OWN_SLOTS_ALONE * self.runtime.state_bytes() <= host_available_bytes():
                 self.runtime.setup_s["build"] += self.recent.reserve(self.runtime.memory_layout(),
                                                                      pin=self.device.type == "cuda",
                                                                      slots=OWN_SLOTS_ALONE)
-            else:
+            elif cfg is not None:
                 self._reserve_after_step = OWN_SLOTS_ALONE
+            # Else they would not fit: the driver's check of the host's memory says so (allocated,
+            # Ray's memory monitor would kill this worker before that check could).
         # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
         # optimizer, the first connections to its neighbours and the world.
         setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}

@@ -2,9 +2,10 @@
 `HostCopies`) against `HostCopies` with 1, 2, 4 and 8 stagers, alternating in one process.
 The sources are views of a file in /dev/shm mapped afresh for every pass, as a standby
 maps a lost worker's copies (or a load maps a checkpoint's bytes): every pass pays for the
-page faults too. Torch is held to one intra-op thread, as in a Ray worker.
+page faults too. Torch runs `--torch-threads` intra-op threads: Ray sets a worker's
+OMP_NUM_THREADS to its CPUs (`runtime.cpus_per_worker`, 2 in `configs/gpt-1b.yaml`).
 
-    python -m bench.host_copies [--gib 8] [--rounds 2]
+    python -m bench.host_copies [--gib 8] [--rounds 2] [--torch-threads 2]
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--file", default="/dev/shm/raypar-bench-host-copies.bin")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.torch_threads)
     scale = args.gib * 1024 / sum(SIZES_MIB)
     sizes = [max(1, int(m * scale)) << 20 for m in SIZES_MIB]
     total = sum(sizes)
@@ -52,6 +54,7 @@ def main() -> None:
                     with host_copies(torch.device("cuda"), threads=int(how.split("-")[1])) as copies:
                         for d, s in zip(dst, src):
                             copies.copy(d, s)
+                    assert copies.staged_bytes == total
                 torch.cuda.synchronize()
                 seconds[how].append(time.perf_counter() - t0)
                 assert torch.equal(dst[-1].cpu(), src[-1]), how
@@ -59,7 +62,8 @@ def main() -> None:
     finally:
         os.unlink(args.file)
     gib = total / 2**30
-    print(f"| {gib:.1f} GiB in {len(sizes)} tensors, from a fresh mapping of /dev/shm ({torch.cuda.get_device_name()}) "
+    print(f"| {gib:.1f} GiB in {len(sizes)} tensors, from a fresh mapping of /dev/shm ({torch.cuda.get_device_name()}, "
+          f"{args.torch_threads} torch threads) "
           f"| seconds (median of {args.rounds}) | GB/s | of plain |")
     print("|---|---|---|---|")
     plain = statistics.median(seconds["plain"])

@@ -53,12 +53,28 @@ def plan_resources(cfg: Config, grid: Grid, cluster: dict[str, float]) -> Worker
 
 def host_available_bytes() -> int:
     """Memory this host can still give without swapping (Linux's MemAvailable, which counts
-    reclaimable page cache; elsewhere the free pages)."""
+    reclaimable page cache; elsewhere the free pages), less what Ray's memory monitor keeps
+    free: past its threshold it kills workers (`host_headroom_bytes`)."""
+    return _meminfo("MemAvailable", os.sysconf("SC_AVPHYS_PAGES")) - host_headroom_bytes()
+
+
+def host_headroom_bytes() -> int:
+    """Memory Ray's memory monitor keeps free on this host: it kills workers once the host
+    uses more than `RAY_memory_usage_threshold` (0.95 unless set) of its memory, unless
+    `RAY_memory_monitor_refresh_ms=0` turned it off."""
+    if os.environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return 0
+    threshold = float(os.environ.get("RAY_memory_usage_threshold", "0.95"))
+    return int((1 - min(max(threshold, 0.0), 1.0)) * _meminfo("MemTotal", os.sysconf("SC_PHYS_PAGES")))
+
+
+def _meminfo(key: str, pages: int) -> int:
+    """`key` of /proc/meminfo in bytes; elsewhere `pages` pages."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return pages * os.sysconf("SC_PAGE_SIZE")

@@ -21,7 +21,10 @@ from raypar.driver.callbacks import Callback  # noqa: E402
 from raypar.config import config_from_dict  # noqa: E402
 from raypar.data import write_synthetic_corpus  # noqa: E402
 from raypar.driver.trainer import Trainer  # noqa: E402
-from raypar.runtime.shared_copies import SHM_ROOT, run_key  # noqa: E402
+from raypar.runtime.shared_copies import SHM_ROOT, process_running, run_key  # noqa: E402
+
+
+EVERY = 3  # checkpoint.every
 
 
 class NodeChaos(Callback):
@@ -40,9 +43,16 @@ class NodeChaos(Callback):
             # No older than this step (at most it and the one in flight are redone) nor the
             # newest checkpoint (or the recovery would take that instead).
             if record.memory_replicated and self.replicas_whole(trainer, oldest=max(record.step,
-                                                                                    (record.step + 1) // 3 * 3)):
+                                                                                    (record.step + 1) // EVERY * EVERY)):
                 print(f"removing a node after step {record.step}", flush=True)
+                pids = [i["pid"] for i in trainer.group.info if i["node_id"] == self.doomed.node_id]
                 self.cluster.remove_node(self.doomed, allow_graceful=False)
+                # Its workers outlive their raylet a moment: steps sent meanwhile would run on,
+                # and a save among them commit a state newer than the copies (the driver, held
+                # here, begins no save until they are gone: the step in flight's then fails).
+                deadline = time.monotonic() + 30.0
+                while any(process_running(p) for p in pids) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 self.doomed, self.removed_at = None, record.step
             elif record.step >= self.LAST_TRY:
                 raise TimeoutError(f"the workers off the doomed node held no whole state by step {record.step}")
@@ -97,9 +107,10 @@ def main(tmp: Path) -> int:
             "data": {"path": str(data), "seq_len": 8},
             "runtime": {"run_dir": str(tmp / "nodes-run"), "device": "cpu", "cpus_per_worker": 0.5,
                         "collective_timeout_s": 30.0, "placement_timeout_s": 30.0},
-            # Every 3: the checkpoint before the node goes (step 3) is never newer than the
-            # copies in memory, so the recovery restores from them whatever its timing.
-            "checkpoint": {"every": 3},
+            # The node goes once the other one holds a whole copy as new as the newest
+            # checkpoint, and no save begins before its workers are gone (`NodeChaos`): the
+            # recovery restores from the copies whatever the timing.
+            "checkpoint": {"every": EVERY},
             "elastic": {"enabled": True, "resource_timeout_s": 30.0},
         })
         chaos = NodeChaos(cluster, doomed)

@@ -284,6 +284,7 @@ def test_staged_host_copies_equal_plain_ones_on_the_gpu():
         for d, s in zip(dst, src):
             copies.copy(d, s)
         copies.copy(host, src[1])
+    assert copies.staged_bytes == sum(s.nbytes for s in src)  # "cuda" matches the tensors' "cuda:0"
     for d, s in zip(dst, src):
         assert torch.equal(d.cpu(), s.reshape(d.shape).to(d.dtype))
     assert torch.equal(host, src[1])

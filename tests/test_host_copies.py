@@ -23,6 +23,7 @@ def test_staged_copies_equal_plain_ones_across_chunks_shapes_and_dtypes():
     with host_copies(CPU, threads=3, chunk_bytes=4096, staged=True) as copies:
         for d, s in zip(dst, src):
             copies.copy(d, s)
+    assert copies.staged_bytes == sum(s.nbytes for s in src)
     for d, s in zip(dst, src):
         assert torch.equal(d, s.reshape(d.shape).to(d.dtype))
 
@@ -33,6 +34,7 @@ def test_a_destination_that_cannot_be_staged_is_copied_at_once():
     copies = HostCopies(CPU, threads=2, staged=True)
     copies.copy(column, torch.arange(8.0))
     assert torch.equal(base[:, 1], torch.arange(8.0))  # before wait: done in the caller's thread
+    assert copies.staged_bytes == 0
     copies.wait()
 
 

@@ -193,6 +193,27 @@ def test_a_node_that_cannot_hold_the_copies_is_a_clear_error():
     check_host_memory(1, ["n", "n"], [gib] * 2, [gib] * 2, [0, 1], reclaimable=[2 * alone - gib] * 2)
     with pytest.raises(ConfigError, match=rf"has {2 * OWN_SLOTS_ALONE - 1:.1f} GiB available"):
         check_host_memory(1, ["n", "n"], [gib] * 2, [gib] * 2, [0, 1], reclaimable=[2 * alone - 2 * gib] * 2)
+    # What other runs' ended processes left in shared memory is not room: the error names it.
+    with pytest.raises(ConfigError, match=r"has 3.0 GiB available.*Of its memory, 40.0 GiB is held by files in "
+                                          r"/dev/shm/raypar-\* that processes of other runs left"):
+        check_host_memory(1, ["n"], [gib], [3 * gib], [0], abandoned=[40 * gib])
+    with pytest.raises(ConfigError) as error:
+        check_host_memory(1, ["n"], [gib], [3 * gib], [0], abandoned=[0])
+    assert "other runs" not in str(error.value)
+
+
+def test_what_a_host_can_give_leaves_rays_memory_monitor_its_margin(monkeypatch):
+    from raypar.resources import _meminfo, host_headroom_bytes
+
+    total = _meminfo("MemTotal", 0)
+    assert total > 0
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
+    assert abs(host_headroom_bytes() - 0.1 * total) <= 1
+    monkeypatch.delenv("RAY_memory_usage_threshold")
+    assert abs(host_headroom_bytes() - 0.05 * total) <= 1  # Ray's default threshold, 0.95
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # the monitor off: it kills nothing
+    assert host_headroom_bytes() == 0
 
 
 def test_replicas_that_do_not_fit_the_object_store_are_a_clear_error():

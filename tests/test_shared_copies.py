@@ -2,6 +2,7 @@
 by another process of the same node after the first one died, never across nodes or
 generations, never while it is being written; cleared and dropped without leftovers."""
 import errno
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from raypar.runtime.recent_states import OWN_KEPT, RecentStates
-from raypar.runtime.shared_copies import SHM_ROOT, SharedCopies
+from raypar.runtime.shared_copies import SHM_ROOT, SharedCopies, run_key
 
 GENERATION = 41
 
@@ -157,3 +158,21 @@ def test_shared_copies_are_pinned_for_copies_from_the_gpu():
     assert torch.equal(buffers["w"], src.cpu())
     shared.drop()
     shutil.rmtree(root)
+
+
+def test_other_runs_files_of_ended_processes_are_counted_as_abandoned(tmp_path):
+    """A crashed run leaves its copies in shared memory: each worker reports what other runs'
+    ended processes hold there, which the host-memory check names in its error."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid runs no more
+    here = SharedCopies.open("run", "node", root=tmp_path)
+    other = tmp_path / run_key("other") / "node"
+    for pid, size in ((ended.pid, 3 << 20), (os.getpid(), 5 << 20)):  # ended, and live
+        (other / f"p{pid}").mkdir(parents=True)
+        with open(other / f"p{pid}" / "0.bin", "wb") as f:
+            f.write(b"x" * size)
+    # This run's own ended process: room a clear frees, not abandoned.
+    (here.node_dir / f"p{ended.pid}").mkdir(parents=True)
+    (here.node_dir / f"p{ended.pid}" / "0.bin").write_bytes(b"y" * (7 << 20))
+    assert 3 << 20 <= here.abandoned_bytes() < 4 << 20
+    assert 7 << 20 <= here.ended_bytes() < 8 << 20

@@ -30,8 +30,12 @@ class HostCopies:
     def __init__(self, device: torch.device, threads: int = THREADS, chunk_bytes: int = CHUNK_BYTES,
                  staged: bool | None = None) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # A tensor's device has its index: "cuda" alone would match none.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.staged = self.device.type == "cuda" if staged is None else staged
         self.chunk_bytes = chunk_bytes
+        self.staged_bytes = 0  # of the copies so far, those that went through the stagers
         self._errors: list[BaseException] = []
         self._threads: list[threading.Thread] = []
         if not self.staged:
@@ -56,6 +60,7 @@ class HostCopies:
             with torch.no_grad():
                 dst.copy_(src.reshape(dst.shape))
             return
+        self.staged_bytes += src.nbytes
         flat_dst, flat_src = dst.view(-1), src.view(-1)
         step = max(1, self.chunk_bytes // src.element_size())
         for start in range(0, src.numel(), step):

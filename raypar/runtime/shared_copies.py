@@ -141,14 +141,19 @@ class SharedCopies:
     def ended_bytes(self) -> int:
         """Memory the run's files of ended processes on this node hold: the next `clear` frees
         it (after a recovery restored from them, or at a run's start)."""
+        return sum(_held(folder) for folder in self.node_dir.glob("p*")
+                   if folder != self.own_dir and not process_running(int(folder.name[1:])))
+
+    def abandoned_bytes(self) -> int:
+        """Memory held by other runs' files of processes that have ended on this machine: a
+        run that crashed (its driver killed, its node's memory exhausted) leaves them, and
+        nothing frees them but removing their directories (`/dev/shm/raypar-*`)."""
         total = 0
-        for folder in self.node_dir.glob("p*"):
-            if folder != self.own_dir and not process_running(int(folder.name[1:])):
-                for path in folder.glob("*.bin"):
-                    try:
-                        total += path.stat().st_blocks * 512  # what tmpfs holds, not the apparent size
-                    except FileNotFoundError:  # cleared meanwhile
-                        pass
+        for folder in self.root.glob("raypar-*/*/p*"):
+            if folder.parent.parent == self.node_dir.parent or not folder.name[1:].isdigit():
+                continue
+            if not process_running(int(folder.name[1:])):
+                total += _held(folder)
         return total
 
     def commit(self, slot: str, rank: int, step: int, generation: int, tensors: dict[str, torch.Tensor]) -> bool:
@@ -265,6 +270,17 @@ class SharedCopies:
             self.node_dir.parent.rmdir()  # the run's, once no node of it is left on this machine
         except OSError:
             pass
+
+
+def _held(folder: Path) -> int:
+    """What a process's copies in `folder` hold in memory (tmpfs blocks, not apparent sizes)."""
+    total = 0
+    for path in folder.glob("*.bin"):
+        try:
+            total += path.stat().st_blocks * 512
+        except FileNotFoundError:  # cleared meanwhile
+            pass
+    return total
 
 
 def _view(flat: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
