@@ -4,7 +4,7 @@ A copy from pageable host memory (a checkpoint's bytes, a copy in shared memory,
 object-store buffer) goes through the CUDA driver's own small staging buffer, one at a
 time: 2-5 GB/s on an H200 host. Here a few threads each copy chunks into a pinned buffer
 of their own and from it onto the GPU on a stream of their own, so the host-side copy
-of one chunk overlaps the bus transfer of another: 30+ GB/s (BENCHMARKS.md).
+of one chunk overlaps the bus transfer of another: 3x on one H200 host (BENCHMARKS.md).
 """
 from __future__ import annotations
 
