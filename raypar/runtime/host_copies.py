@@ -123,4 +123,3 @@ def host_copies(device: torch.device, **kwargs) -> Iterator[HostCopies]:
             pass
         raise
     copies.wait()
-
