@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+from ports import free_port
 
 # Workers get fractional CPUs so an 8-worker grid schedules on a 2-core machine.
 LOGICAL_CPUS = 8
@@ -32,18 +33,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def moto_port():
     """A moto S3 server of this module's own on the loopback address, with a bucket `raypar`."""
     import pyarrow.fs as pafs
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Callable
 
 import yaml
 
+from ports import free_port
 from dashboard_queries import (DASHBOARDS, Query, board_queries, board_variables, label_values_query, panel_labels,
                                static_problems, to_promql)
 
@@ -43,12 +43,6 @@ def find_prometheus() -> str | None:
     if found:
         return found
     return next((p for p in PROMETHEUS_PATHS if os.access(p, os.X_OK)), None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(what: str, probe: Callable[[], tuple[bool, str]], timeout_s: float, poll_s: float = 0.25,

@@ -3,7 +3,6 @@ checkpoints, its logs, and `ray job stop` leaving no actors and an intact checkp
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,10 @@ from pathlib import Path
 import pytest
 
 from raypar.checkpoint import CheckpointReader, latest, list_committed
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -28,7 +22,7 @@ def head(tmp_path):
     """A Ray head in its own temp dir (so plain `ray.init()` elsewhere never finds it)."""
     # Every port the head opens is a free one: the tests' own Ray instance already holds
     # the defaults (e.g. its dashboard agent on 52365), and a clash leaves no job agent.
-    gcs, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
+    gcs, dash, agent, client = free_port(), free_port(), free_port(), free_port()
     temp = Path("/tmp") / f"raypar-job-{os.getpid()}"
     # Ray turns token authentication on for new clusters; its job CLI sends the token
     # (from ~/.ray/auth_token) only when told that the mode is "token".

@@ -4,7 +4,6 @@ included (its gradient through the weighted sum of returned rows, not only the a
 so does a backward whose expert weight gradients run while the next exchange travels
 (`runtime.moe_backward_overlap`)."""
 import os
-import socket
 
 import pytest
 import torch
@@ -15,14 +14,9 @@ from raypar.config import ModelConfig
 from raypar.model import moe_exchange
 from raypar.model.moe import MoE
 from raypar.model.split_backward import compute_weight_grads, set_split_backward, weight_grads_deferred
+from ports import free_port
 
 EP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 EXACT = 0  # "pieces" of the exact exchange, the reference
@@ -87,7 +81,7 @@ def _check_chunks(capacity_factor: float, cuda: bool) -> None:
     chunks = (EXACT, 1, 2, 3, OVERLAPPED + 1, OVERLAPPED + 2)  # 14 tokens: 3 pieces of unequal size
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, capacity_factor, chunks, cuda, queue)) for r in range(EP)]
     for p in procs:
         p.start()

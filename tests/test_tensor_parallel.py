@@ -4,7 +4,6 @@ one process (output, input gradient, every weight's gradient as slices of the wh
 where tp does not divide a part, its fallbacks (the model dimension, or whole), equal too."""
 import functools
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from raypar.model.tensor_parallel import (PartSplit, Slice, fallbacks, from_tensor_parallel, split_parts,
+from ports import free_port
                                           to_tensor_parallel, vocab_parallel_cross_entropy)
 
 TP = 2
@@ -69,12 +69,6 @@ def _tensors(obj):
     return obj
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _mlp_and_loss(rank: int, group) -> dict:
     g = torch.Generator().manual_seed(0)
     dim, hidden, vocab, n = 8, 12, 10, 6
@@ -117,7 +111,7 @@ def _on_tp_ranks(compute, size: int = TP) -> dict:
     """`compute(rank, group)` on `size` processes of one gloo group; each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, size, port, queue, compute)) for r in range(size)]
     for p in procs:
         p.start()
