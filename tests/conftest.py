@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+
 from ports import free_port
 
 # Workers get fractional CPUs so an 8-worker grid schedules on a 2-core machine.

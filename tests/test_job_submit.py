@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raypar.checkpoint import CheckpointReader, latest, list_committed
+
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

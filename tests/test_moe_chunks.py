@@ -14,6 +14,7 @@ from raypar.config import ModelConfig
 from raypar.model import moe_exchange
 from raypar.model.moe import MoE
 from raypar.model.split_backward import compute_weight_grads, set_split_backward, weight_grads_deferred
+
 from ports import free_port
 
 EP = 2

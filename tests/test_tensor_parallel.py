@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from raypar.model.tensor_parallel import (PartSplit, Slice, fallbacks, from_tensor_parallel, split_parts,
-from ports import free_port
                                           to_tensor_parallel, vocab_parallel_cross_entropy)
+
+from ports import free_port
 
 TP = 2
 
