@@ -462,7 +462,8 @@ class ShardedOptimizer(MasterOptimizer):
             if f.grad_share is not f.grads:
                 f.grad_share.zero_()
 
-    def set_weight(self, key: str, whole: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    def set_weight(self, key: str, whole: torch.Tensor,
+                   copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Set checkpoint tensor `key` from its whole value: the weights, and this rank's
         share of its masters (the EMA is the caller's). `copy(dst, src)` does the copies
         (a load's `HostCopies.copy`; default `dst.copy_(src)`)."""

@@ -34,6 +34,7 @@ class HostCopies:
             # A tensor's device has its index: "cuda" alone would match none.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.staged = self.device.type == "cuda" if staged is None else staged
+        self._pinned = self.device.type == "cuda"  # staging buffers in pinned memory, one stream per stager
         self.chunk_bytes = chunk_bytes
         self.staged_bytes = 0  # of the copies so far, those that went through the stagers
         self._errors: list[BaseException] = []
@@ -78,9 +79,8 @@ class HostCopies:
             raise self._errors[0]
 
     def _stage(self) -> None:
-        pinned = self.device.type == "cuda"
-        buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
-        stream = torch.cuda.Stream(self.device) if pinned else None
+        buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        stream = torch.cuda.Stream(self.device) if self._pinned else None
         on_device: dict[torch.dtype, torch.Tensor] = {}  # a chunk of another dtype, converted there
         while (item := self._chunks.get()) is not _DONE:
             if self._errors:
@@ -95,17 +95,16 @@ class HostCopies:
 
     def _copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, buffer: torch.Tensor,
                     on_device: dict[torch.dtype, torch.Tensor]) -> None:
-        pinned = self.device.type == "cuda"
         held = buffer[:src.numel() * src.element_size()].view(src.dtype)
         held.copy_(src)
         if dst.dtype == src.dtype:
-            dst.copy_(held, non_blocking=pinned)
+            dst.copy_(held, non_blocking=self._pinned)
             return
         if src.dtype not in on_device:
             on_device[src.dtype] = torch.empty(self.chunk_bytes // src.element_size(), dtype=src.dtype,
                                                device=self.device)
         landed = on_device[src.dtype][:src.numel()]
-        landed.copy_(held, non_blocking=pinned)
+        landed.copy_(held, non_blocking=self._pinned)
         dst.copy_(landed)
 
 
