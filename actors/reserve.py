@@ -75,6 +75,11 @@ class WorkerReserve:
             slot, _ = pool.pop(free)
             self._add_standby(slot)
 
+    @property
+    def salvages(self) -> int:
+        """How many salvages this group has made: a worker reset outside one names the last."""
+        return self._salvages
+
     # -- salvage ---------------------------------------------------------------------------------
 
     def salvage(self, timeout: float) -> int:

@@ -31,6 +31,10 @@ class StepTimeout(RuntimeError):
     """Some stage workers did not finish a step in time."""
 
 
+class WorkersLost(RuntimeError):
+    """Some stage workers were found gone between steps."""
+
+
 class WorkerGroup:
     """The stage workers of one grid, one per placement-group bundle (a *slot*)."""
 
@@ -93,6 +97,17 @@ class WorkerGroup:
         counts = self.reserve.fill(grid.size)
         self.setup(fresh=False, init_weights=init_weights)
         return counts
+
+    def rebuild(self, cfg: Config) -> None:
+        """The same workers and grid with `cfg`'s cut of the model (its schedule's chunks per
+        stage): each leaves its process groups and drops its stage (`reset`), then builds its
+        part of the new cut, not initialised (a checkpoint is loaded next)."""
+        self.get([w.reset.remote(self.reserve.salvages) for w in self.workers], self.cfg.runtime.step_timeout_s,
+                 "reset")
+        self.cfg = cfg
+        self.program_version, self.programs, self._units = 0, [], []
+        self.checkpoints.forget_shard_writes()
+        self.setup(fresh=False, init_weights=False)
 
     # -- stepping --------------------------------------------------------------------------------
 

@@ -14,6 +14,11 @@
   to the first step after it, and the recovery's phases. One worker, so no survivor and no
   replica. `recovery-borrowed-storage`: the same with no copies in memory, so the standby
   loads the last committed checkpoint from storage.
+- A switch of schedule that moves the model to another cut (`Trainer.switch_schedule`): the
+  whole 0.84B on one worker goes from one chunk (1F1B) to ZB-V's two chunks after step
+  MOVE_AT, through a checkpoint (`cut-move`), against the same run without (`cut-stay`): the
+  move's phases (checkpoint to commit, stages rebuilt, loaded), its wall time seen by the
+  loop, and the losses of the two runs side by side; `cut-zb-v` runs ZB-V from the start.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -22,6 +27,7 @@ Writes DIR/one_gpu.json and DIR/one_gpu.md.
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 from bench.launches import alternate
@@ -45,11 +51,28 @@ KINDS = {
     "recovery-borrowed": ("gpt-1b.yaml", [*FOUR_LAYERS, *RECOVERY]),
     "recovery-borrowed-whole": ("gpt-1b.yaml", [*MEMORY, *RECOVERY]),
     "recovery-borrowed-storage": ("gpt-1b.yaml", [*MEMORY, *RECOVERY, "elastic.memory_every=0"]),
+    "cut-stay": ("gpt-1b.yaml", ON_ONE),
+    "cut-move": ("gpt-1b.yaml", ON_ONE),
+    "cut-zb-v": ("gpt-1b.yaml", [*ON_ONE, "parallel.schedule=zb-v"]),
 }
 # Ratios the table shows: (kind, against).
 RATIOS = [("moe-kernels-on", "dense"), ("moe-kernels-on", "moe-kernels-off"), ("memory-shared", "memory-off"),
-          ("memory-pinned", "memory-off"), ("memory-shared-4-layers", "memory-off-4-layers")]
+          ("memory-pinned", "memory-off"), ("memory-shared-4-layers", "memory-off-4-layers"),
+          ("cut-move", "cut-stay")]
 STEADY_FROM = 3  # steps before this one pay for warm-up
+MOVE_AT = 4  # cut-move switches to zb-v after this step
+
+
+def switch_once(at: int, schedule: str):
+    """A callback that switches the run to `schedule` after step `at`."""
+    from raypar.driver.callbacks import Callback
+
+    class SwitchOnce(Callback):
+        def on_step_end(self, trainer, record) -> None:
+            if record.step == at:
+                trainer.switch_schedule(schedule)
+
+    return SwitchOnce()
 
 
 def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
@@ -64,11 +87,20 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
         return recovery(kind, config, overrides, work)
     cfg = load_config(str(ROOT / "configs" / config),
                       [*overrides, f"train.steps={steps}", f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
-    s = Trainer(cfg, log=lambda m: None).fit()
-    step_s = statistics.median(r.step_time_s for r in s.records[STEADY_FROM:])
-    return {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
-            "step_ms": 1000 * step_s, "mfu": s.mfu, "steps_ms": [round(1000 * r.step_time_s) for r in s.records],
-            "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config}
+    callbacks = [switch_once(MOVE_AT, "zb-v")] if kind == "cut-move" else []
+    t0 = time.perf_counter()
+    s = Trainer(cfg, callbacks=callbacks, log=lambda m: None).fit()
+    wall_s = time.perf_counter() - t0
+    # A moved run's steady steps: those after the first on the new cut.
+    steady = s.records[MOVE_AT + 2:] if kind.startswith("cut") else s.records[STEADY_FROM:]
+    step_s = statistics.median(r.step_time_s for r in steady)
+    out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
+           "step_ms": 1000 * step_s, "mfu": s.mfu, "steps_ms": [round(1000 * r.step_time_s) for r in s.records],
+           "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config}
+    if kind.startswith("cut"):
+        out.update(losses=[r.loss for r in s.records], schedules=[r.schedule for r in s.records], moves=s.moves,
+                   wall_s=wall_s, peak_device_gib=[round(max(r.peak_device_bytes) / 2**30, 2) for r in s.records])
+    return out
 
 
 def recovery(kind: str, config: str, overrides: list[str], work: Path) -> dict:
@@ -110,6 +142,17 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {k} | {each} | {med[k]:,.0f} | {mfu:.3f} | {rs[0]['memory_copies']} |")
     lines += ["", "| ratio | tokens/s |", "|---|---|"]
     lines += [f"| {a} / {b} | {med[a] / med[b]:.3f} |" for a, b in RATIOS if a in med and b in med]
+    moved = [r for r in results if r["kind"] == "cut-move" and r.get("moves")]
+    stays = [r for r in results if r["kind"] == "cut-stay"]
+    if moved:
+        lines += ["", "| cut-move round | move s (loop waits) | checkpoint to commit s | stages rebuilt s | loaded s | "
+                  "GiB | run wall s vs cut-stay | max loss diff vs cut-stay |", "|---|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(moved):
+            m, stay = r["moves"][0], stays[i] if i < len(stays) else None
+            diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stay["losses"])) if stay else float("nan")
+            wall = f"{r['wall_s']:.1f} vs {stay['wall_s']:.1f}" if stay else "-"
+            lines.append(f"| {i} | {m['total_s']:.2f} | {m['save_s']:.2f} | {m['rebuild_s']:.2f} | {m['load_s']:.2f} | "
+                         f"{m['bytes'] / 2**30:.1f} | {wall} | {diff:.2e} |")
     killed = [r for r in results if "kill_to_step_s" in r]
     if killed:
         lines += ["", "| launch | kill to step s | detection s | survivors' teardown s | workers up s | state load s | "

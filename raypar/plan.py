@@ -4,24 +4,25 @@ From a config alone the costs are modelled (each stage's FLOPs, I = W = F); with
 they are what a run measured at one step (events.jsonl's spans and metrics.jsonl's memory
 peaks), the same figures `parallel.schedule: auto` chooses from while it trains.
 
-Schedules of several model chunks per stage (interleaved-1f1b, zb-v, zb-v-half) come in a
-table of their own: their stages hold other layers (ZB-V puts the head on stage 0 beside
-the embedding), and `auto` does not change how the model is cut, so they run only when
-`parallel.schedule` names them. From a config they are modelled on their own layout; from a
-run, only those of the run's own layout (one chunk per stage, or the run's chunks).
+Schedules of several model chunks per stage (interleaved-1f1b, zb-v, zb-v-half) cut the model
+otherwise (ZB-V puts the head on stage 0 beside the embedding): the costs of one cut are
+carried over to theirs by FLOPs, as `auto` does, which moves the workers to the cut it
+chooses through a checkpoint. The candidates are `auto`'s (`candidate_layouts`).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from raypar.config import Config, ConfigError, config_from_dict, load_config
-from raypar.schedule import (CHUNKED_SCHEDULES, SCHEDULES, Layout, ScheduleError, build_programs, prepare,
-                             schedule_fits, schedule_layout)
-from raypar.schedule.choice import (MEASURE_WITHIN, TRIAL_STEPS, Prediction, UnitCosts, choose, finalists,
-                                    format_table, measured_costs, modelled_costs, predict, predict_all)
+from raypar.schedule import CHUNKED_SCHEDULES, Layout, ScheduleError, build_programs, prepare, schedule_layout
+from raypar.schedule.choice import (MEASURE_WITHIN, TRIAL_STEPS, UnitCosts, candidate_layouts, choose, describe,
+                                    finalists, format_table, measured_costs, modelled_costs, predict_cuts)
+from raypar.schedule.generators import run_layout
 
 
 class PlanError(ValueError):
@@ -31,40 +32,27 @@ class PlanError(ValueError):
 def config_costs(cfg: Config, layout: Layout | None = None) -> UnitCosts:
     """Modelled costs of `cfg`'s stages: their layers' and the head's FLOPs per token;
     `layout`: the stages of a schedule of several chunks each (their chunks' layers summed)."""
-    from raypar.model.partition import split_layers, stage_layers
-    from raypar.model.transformer import head_flops, layer_flops
+    from raypar.model.partition import layout_flops
 
-    m, pp = cfg.model, cfg.parallel.pp
-    layout = layout or Layout(pp)
-    n = layout.n_virtual
-    ranges = split_layers(m.n_layers, n, stage_layers(m, n, cfg.parallel.layers_per_stage))
-    flops = [0.0] * pp
-    for vs, r in enumerate(ranges):
-        stage = layout.place(vs)[0]
-        flops[stage] += sum(layer_flops(m, i, cfg.data.seq_len) for i in r) + (head_flops(m) if vs == n - 1 else 0)
-    return modelled_costs(flops)
+    return modelled_costs(layout_flops(cfg.model, cfg.data.seq_len, layout or Layout(cfg.parallel.pp),
+                                       cfg.parallel.layers_per_stage))
 
 
-def chunked_predictions(cfg: Config, costs: UnitCosts | None) -> list[Prediction]:
-    """The schedules of several chunks per stage that fit `cfg`'s model and micro-batches,
-    fastest first: modelled on their own layouts when `costs` is None, else with `costs`
-    (measured on a run of that layout: only the schedules that share it)."""
-    p, out = cfg.parallel, []
-    measured_on = None if costs is None or p.schedule not in CHUNKED_SCHEDULES else schedule_layout(
-        p.schedule, p.pp, p.chunks)
-    for name in CHUNKED_SCHEDULES:
-        if schedule_fits(name, p.pp, p.microbatches, cfg.model.n_layers) is not None:
-            continue
-        layout = schedule_layout(name, p.pp)
-        if costs is not None and layout != measured_on:
-            continue
-        out.append(predict(name, p.microbatches, costs or config_costs(cfg, layout)))
-    return sorted(out, key=lambda x: x.step_s)
+def plan_layouts(cfg: Config) -> tuple[Layout, dict[str, Layout]]:
+    """The cut `cfg` builds, and the schedules `auto` would choose among on `cfg`'s grid, each
+    with its cut (a list of layers per stage describes one cut: only its schedules)."""
+    p = cfg.parallel
+    own = run_layout(p.schedule, p.pp, p.chunks)
+    if isinstance(p.layers_per_stage, list):
+        every = candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
+        return own, {name: layout for name, layout in every.items() if layout == own}
+    return own, candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
 
 
-def run_costs(run_dir: str | Path, step: int | None = None) -> tuple[Config, UnitCosts]:
-    """A run's config and the costs it measured at `step` (default: the second step whose
-    backward was split into I and W, else the first, else its last step)."""
+def run_costs(run_dir: str | Path, step: int | None = None) -> tuple[Config, UnitCosts, Layout]:
+    """A run's config, the costs it measured at `step` (default: the second step whose
+    backward was split into I and W, else the first, else its last step), and the cut of the
+    model they were measured on."""
     from raypar.timeline import TimelineError, load_step
 
     run = Path(run_dir)
@@ -90,12 +78,18 @@ def run_costs(run_dir: str | Path, step: int | None = None) -> tuple[Config, Uni
         raise PlanError(str(e)) from e
     pp = max(w.pp for w in workers) + 1
     chunks = cfg.parallel.chunks if schedule in CHUNKED_SCHEDULES else None
-    programs = prepare(build_programs(schedule, pp, cfg.parallel.microbatches, chunks=chunks),
-                       schedule_layout(schedule, pp, chunks))
+    layout = schedule_layout(schedule, pp, chunks)
+    programs = prepare(build_programs(schedule, pp, cfg.parallel.microbatches, chunks=chunks), layout)
     spans = [[(e.op, e.end - e.start) for w in workers if w.pp == s for e in w.events] for s in range(pp)]
     costs = measured_costs(spans, programs.peak_live, record["peak_activation_bytes"], record["peak_device_bytes"],
                            f"measured at step {step} of {run} with {schedule}")
-    return cfg, costs
+    if layout.n_chunks > 1:
+        # Units (and live micro-batches) of one chunk: a stage's are its chunks' together.
+        v = layout.n_chunks
+        costs = replace(costs, forward=[x * v for x in costs.forward], input_grad=[x * v for x in costs.input_grad],
+                        weight_grad=[x * v for x in costs.weight_grad],
+                        activation_bytes=[a * v for a in costs.activation_bytes])
+    return cfg, costs, layout
 
 
 def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -121,47 +115,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _run(args: argparse.Namespace) -> int:
+    from raypar.model.partition import layout_flops
+
     try:
         if args.from_run:
             if args.config or args.overrides:
                 raise PlanError("--from-run takes the run's own config: drop --config and the overrides")
-            cfg, costs = run_costs(args.from_run, args.step)
+            cfg, costs, measured_on = run_costs(args.from_run, args.step)
         else:
             if args.step is not None:
                 raise PlanError("--step needs --from-run RUN_DIR")
             cfg = load_config(args.config, list(args.overrides))
-            costs = config_costs(cfg)
+            measured_on = run_layout(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.chunks)
+            costs = config_costs(cfg, measured_on)
         p = cfg.parallel
         budget = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb is not None else None
-        chunked = chunked_predictions(cfg, costs if args.from_run else None)
-        if args.from_run and p.schedule in CHUNKED_SCHEDULES:
-            predictions, chosen, why = [], None, None  # measured on other stages than one chunk's
-        else:
-            if not args.from_run and p.schedule in CHUNKED_SCHEDULES:
-                costs = config_costs(cfg, Layout(p.pp))  # the one-chunk stages auto would build
-            predictions = predict_all(p.microbatches, costs, list(SCHEDULES))
-            chosen, why = choose(predictions, budget)
+        _, layouts = plan_layouts(cfg)
+        flops = functools.partial(layout_flops, cfg.model, cfg.data.seq_len, layers_per_stage=p.layers_per_stage)
+        predictions = predict_cuts(p.microbatches, costs, measured_on, layouts, flops)
+        chosen, why = choose(predictions, budget)
     except (PlanError, ConfigError, ScheduleError) as e:
         print(f"raypar: error: {e}", file=sys.stderr)
         return 2
     units = "s" if costs.source != "modelled" else "FLOPs per token, F = I = W"
     print(f"pp={p.pp}, {p.microbatches} micro-batches; costs {costs.source} ({units})")
-    # Both tables' step times relative to the fastest of all.
-    fastest = min(x.step_s for x in predictions + chunked)
-    if predictions:
-        print(format_table(predictions, chosen, budget, baseline=fastest))
-        finals = [f.schedule for f in finalists(predictions, budget)]
-        if len(finals) > 1:
-            print(f"parallel.schedule=auto would run {', '.join(finals)} for {TRIAL_STEPS} steps each (predicted "
-                  f"within {MEASURE_WITHIN:.0%} of the fastest) and keep the fastest measured; by prediction alone "
-                  f"{chosen.schedule}: {why}")
-        else:
-            print(f"parallel.schedule=auto would run {chosen.schedule}: {why}")
-    if chunked:
-        print(f"\nseveral model chunks per stage (live counts chunk micro-batches; run them by naming them in "
-              f"parallel.schedule, auto keeps one chunk per stage); fastest of all: "
-              f"{min(predictions + chunked, key=lambda x: x.step_s).schedule}")
-        print(format_table(chunked, None, budget, baseline=fastest))
+    print(format_table(predictions, chosen, budget))
+    cuts: dict[str, list[str]] = {}
+    for p_ in predictions:
+        cuts.setdefault(describe(layouts[p_.schedule]), []).append(p_.schedule)
+    if len(cuts) > 1:
+        print("cuts of the model (live counts chunk micro-batches): "
+              + "; ".join(f"{cut}: {', '.join(names)}" for cut, names in cuts.items()))
+    finals = [f.schedule for f in finalists(predictions, budget)]
+    if len(finals) > 1:
+        print(f"parallel.schedule=auto would run {', '.join(finals)} for {TRIAL_STEPS} steps each (predicted "
+              f"within {MEASURE_WITHIN:.0%} of the fastest) and keep the fastest measured; by prediction alone "
+              f"{chosen.schedule}: {why}")
+    else:
+        print(f"parallel.schedule=auto would run {chosen.schedule}: {why}")
     return 0
 
 

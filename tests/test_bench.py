@@ -115,8 +115,9 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert "over the fastest torch row" in out.stdout
     # parallel.schedule=auto: chose one of the schedules the other rows ran, and says how it compares.
     auto = next(r for r in rows if r["label"] == "raypar auto")
-    assert auto["chosen"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["schedule_choices"][0]["measured_step_s"]
-    assert auto["best_measured"] in {"fthenb", "1f1b", "zb-h1", "zb-h2"} and auto["vs_best_measured"] > 0
+    every = {"fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half"}
+    assert auto["chosen"] in every and auto["schedule_choices"][0]["measured_step_s"]
+    assert auto["best_measured"] in every and auto["vs_best_measured"] > 0 and auto["chosen_tokens_per_s"] > 0
     for schedule, torch_label in (("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zb-v", "ScheduleZBVZeroBubble")):
         # raypar's schedules of two chunks per stage beside torch's that place chunks alike.
         ours = next(r for r in rows if r["label"] == f"raypar {schedule}")

@@ -52,6 +52,22 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+class KillWorkerAndWait(KillWorker):
+    """KillWorker that returns once the worker is gone (`ray.kill` does not wait): what the
+    driver does next (auto moving the model to another cut) meets a dead worker, every time."""
+
+    def on_step_end(self, trainer, record):
+        worker = trainer.group.workers[self.rank] if record.step == self.at and self.killed_at is None else None
+        super().on_step_end(trainer, record)
+        deadline = time.monotonic() + 30
+        while worker is not None and time.monotonic() < deadline:
+            try:
+                ray.get(worker.address.remote(), timeout=5)
+                time.sleep(0.05)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return
+
+
 class KillAndWatchActors(KillWorker):
     """KillWorker that records the workers' actor ids before the kill and once recovered."""
 
@@ -117,18 +133,41 @@ def assert_auto_chose_on_each_grid_run(summary, resumed_step: int) -> None:
     chooser's states (timing, trying the finalists, the choice) from its first step."""
     from test_schedule_choice import assert_steps_follow_the_choice
 
-    runs: list[list] = []  # the records of each grid run: a step number going back starts the next
-    for r in summary.records:
-        if not runs or r.step <= runs[-1][-1].step:
-            runs.append([])
-        runs[-1].append(r)
-    assert [run[0].step for run in runs] == [0, resumed_step]
+    # The records of each grid run: the second's first is the last record of the resumed step
+    # (from memory with no step redone, the step numbers do not go back).
+    records = summary.records
+    second = max(i for i, r in enumerate(records) if r.step == resumed_step)
+    runs = [records[:second], records[second:]]
+    assert records[0].step == 0 and [r.step for r in runs[1]] == list(range(resumed_step, 8))
     assert summary.schedule_choices, "no grid run got as far as choosing"
     for run in runs:
         # A run cut short by the kill may not have chosen yet.
         choice = next((c for c in summary.schedule_choices if c["steps"][0] == run[0].step), None)
         assert_steps_follow_the_choice([r.schedule for r in run], choice)
     assert summary.schedule.startswith("auto: ")
+
+
+def test_a_worker_lost_on_another_cut_recovers_from_memory(ray_session, tmp_path, data, uninterrupted, monkeypatch):
+    """parallel.schedule=auto moved the workers to ZB-V's cut before a worker is lost: the
+    states kept in memory are of that cut, and the recovery (back on one chunk per stage, to
+    choose again) gathers each worker's by name; the losses stay the uninterrupted 1F1B run's."""
+    from raypar.schedule import Layout
+
+    monkeypatch.setattr("raypar.driver.run_schedule.candidate_layouts",
+                        lambda pp, *args, **kwargs: {"zb-h1": Layout(pp), "zb-v": Layout(pp, 2, "v")})
+    monkeypatch.setattr("raypar.schedule.choice.MEASURE_WITHIN", 100.0)  # zb-v is tried whatever the costs
+    reference = uninterrupted((2, 2, 1), None)
+    summary = Trainer(elastic_config(tmp_path, "killed", (2, 2, 1), memory_every=1, parallel={"schedule": "auto"}),
+                      callbacks=[KillWorkerAndWait(3, 1)]).fit()
+    (event,) = summary.recoveries
+    assert event["source"] == "memory" and 3 <= event["resumed_step"] <= 4, event
+    first = summary.schedule_choices[0]
+    # Steps 0 and 1 time zb-h1; the move to the V comes before step 2 (through step 2's checkpoint).
+    assert [(m["cut"], m["step"]) for m in first["moves"]][:1] == [("2 chunks per stage in a V", 2)]
+    assert [r.schedule for r in summary.records][2:4] == ["zb-v", "zb-v"]
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+    assert_auto_chose_on_each_grid_run(summary, event["resumed_step"])
 
 
 def test_recovery_before_any_checkpoint_starts_over_initialised(ray_session, tmp_path, data, uninterrupted):

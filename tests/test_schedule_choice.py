@@ -5,8 +5,9 @@ import pytest
 
 from raypar.driver.cli import main as cli_main
 from raypar.schedule import Op, ScheduleError
-from raypar.schedule.choice import (MEASURE_WITHIN, Prediction, UnitCosts, choose, finalists, format_table,
-                                    measured_costs, modelled_costs, predict, predict_all)
+from raypar.schedule.choice import (MEASURE_WITHIN, Prediction, UnitCosts, candidate_layouts, choose, finalists,
+                                    format_table, measured_costs, modelled_costs, on_layout, predict, predict_all)
+from raypar.schedule.layout import Layout
 
 MIB = 2**20
 # The runtime's peak activation bytes over the predicted bound may exceed it by this much
@@ -94,7 +95,11 @@ def expected_steps(choice: dict) -> list[str]:
     finals = finalists([Prediction(**p) for p in choice["predictions"]], choice["memory_budget_bytes"])
     steps = [TIMING_SCHEDULE] * TIMING_STEPS
     if len(finals) > 1:
-        steps += [s for p in finals if p.schedule != TIMING_SCHEDULE for s in [p.schedule] * TRIAL_STEPS]
+        # Those of one chunk per stage (the timing's cut) first, then the others cut by cut.
+        cut = choice["layouts"]
+        trials = sorted((p.schedule for p in finals if p.schedule != TIMING_SCHEDULE),
+                        key=lambda s: (cut[s] != cut[TIMING_SCHEDULE], cut[s]))
+        steps += [s for name in trials if name not in choice["dropped"] for s in [name] * TRIAL_STEPS]
     return steps
 
 
@@ -111,21 +116,40 @@ def assert_steps_follow_the_choice(schedules: list[str], choice: dict | None) ->
     assert choice["steps"][1] - choice["steps"][0] + 1 == len(steps)
 
 
-def test_auto_times_tries_and_chooses_with_the_losses_of_a_fixed_schedule(ray_session, tmp_path, capsys) -> None:
-    """parallel.schedule=auto on pp=2: every step is a training step (the losses equal a 1F1B
-    run's), the steps follow the chooser, and `raypar plan --from-run` reads the costs back."""
+AUTO_STEPS = 18  # enough to time, try every schedule (two steps each) and run the choice
+
+
+@pytest.fixture(scope="module")
+def auto_runs(ray_session, tmp_path_factory):
+    """Runs of the tiny model on pp=2 with 4 micro-batches (zb-h2 may hold three on a stage
+    where zb-h1 holds two) and dropout, by schedule; the fixed 1F1B run made once."""
     from helpers import run_config
 
     from raypar.data import write_synthetic_corpus
     from raypar.driver.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("auto")
+    write_synthetic_corpus(tmp / "data.parquet", 256, 8, 64, seed=1)
+    made = {}
+
+    def run(name: str, schedule: str):
+        if name not in made:
+            cfg = run_config(tmp, name, (1, 2, 1), AUTO_STEPS, model={"dropout": 0.1},
+                             parallel={"schedule": schedule, "microbatches": 4})
+            made[name] = Trainer(cfg, log=lambda m: None).fit(), tmp / name / "run"
+        return made[name]
+
+    return run
+
+
+def test_auto_times_tries_and_chooses_with_the_losses_of_a_fixed_schedule(auto_runs, capsys) -> None:
+    """parallel.schedule=auto on pp=2: every step is a training step (the losses equal a 1F1B
+    run's), the steps follow the chooser, and `raypar plan --from-run` reads the costs back."""
     from raypar.plan import run_costs
 
-    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
-    # Four micro-batches: zb-h2 may hold three on a stage where zb-h1 holds two.
-    runs = {s: Trainer(run_config(tmp_path, s, (1, 2, 1), 10, parallel={"schedule": s, "microbatches": 4}),
-                       log=lambda m: None).fit() for s in ("1f1b", "auto")}
-    auto = runs["auto"]
-    assert [r.loss for r in auto.records] == pytest.approx([r.loss for r in runs["1f1b"].records], rel=1e-5)
+    auto, run_dir = auto_runs("auto", "auto")
+    fixed, _ = auto_runs("1f1b", "1f1b")
+    assert [r.loss for r in auto.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
     (choice,) = auto.schedule_choices
     assert choice["grid"] == "dp=1 x pp=2 x ep=1" and choice["steps"][0] == 0
     assert choice["costs"]["source"] == "measured at step 1 with zb-h1"
@@ -137,12 +161,88 @@ def test_auto_times_tries_and_chooses_with_the_losses_of_a_fixed_schedule(ray_se
     # and the prediction counts every live one at the average.
     predicted = {p["schedule"]: p["peak_bytes"] for p in choice["predictions"]}
     for r in auto.records[2:]:
+        if choice["layouts"][r.schedule] != "one chunk per stage":
+            continue  # another cut: carried over by FLOPs, an estimate (test_auto_moves_the_model...)
         assert all(m <= b * (1 + PEAK_SLACK) for m, b in zip(r.peak_activation_bytes, predicted[r.schedule])), \
             (r.schedule, r.peak_activation_bytes, predicted[r.schedule])
-    cfg, costs = run_costs(tmp_path / "auto" / "run")  # the run's second zero-bubble step: step 1
-    assert costs.forward == pytest.approx(choice["costs"]["forward"])
-    assert cli_main(["plan", "--from-run", str(tmp_path / "auto" / "run")]) == 0
+    cfg, costs, cut = run_costs(run_dir)  # the run's second zero-bubble step: step 1
+    assert costs.forward == pytest.approx(choice["costs"]["forward"]) and cut == Layout(2)
+    assert cli_main(["plan", "--from-run", str(run_dir)]) == 0
     assert "costs measured at step 1 of" in capsys.readouterr().out
+
+
+def test_auto_moves_the_model_to_other_cuts_without_changing_a_loss(auto_runs, monkeypatch) -> None:
+    """With every schedule a finalist, auto runs them all: the workers move to ZB-V's and
+    interleaved 1F1B's cuts through checkpoints (and to the chosen one's), and every loss is
+    a fixed 1F1B run's, dropout on (its masks follow the samples, not the cut). The run keeps
+    no checkpoints (checkpoint.every=0): those of the moves go once loaded."""
+    monkeypatch.setattr("raypar.schedule.choice.MEASURE_WITHIN", 100.0)
+    auto, run_dir = auto_runs("auto-every-schedule", "auto")
+    fixed, _ = auto_runs("1f1b", "1f1b")
+    assert [r.loss for r in auto.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
+    (choice,) = auto.schedule_choices
+    assert set(choice["measured_step_s"]) == set(choice["layouts"]) == {
+        "fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half"}
+    assert_steps_follow_the_choice([r.schedule for r in auto.records], choice)
+    v, loop = "2 chunks per stage in a V", "2 chunks per stage in a loop"
+    moves = [(m["cut"], m["step"]) for m in choice["moves"]]
+    # Two timing steps and three one-chunk schedules of two, then each cut once where its
+    # first trial starts (ZB-V's two schedules, then interleaved), then the chosen one's cut.
+    assert moves[:2] == [(v, 8), (loop, 12)], moves
+    chosen_cut = choice["layouts"][choice["schedule"]]
+    assert moves[2:] == ([] if chosen_cut == loop else [(chosen_cut, 14)])
+    # Every move went through a checkpoint, removed once loaded.
+    assert [(c["step"], c["path"], c["error"]) for c in auto.checkpoints] == [(s, None, None) for _, s in moves]
+    assert not list((run_dir.parent / "ckpt").glob("step-*"))
+
+
+def test_a_cut_that_cannot_be_made_drops_out(monkeypatch) -> None:
+    """The controller could not move the workers to a cut: its schedules leave the choice,
+    which goes on with the next cut's trials, then chooses among what ran."""
+    from raypar.driver import schedule_choice
+    from raypar.topology import Grid
+
+    layouts = candidate_layouts(2, 4, 4)
+    assert set(layouts) == {"fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half"}
+    monkeypatch.setattr(schedule_choice, "report_costs", lambda *args: even(2))
+    monkeypatch.setattr("raypar.schedule.choice.MEASURE_WITHIN", 100.0)
+    chooser = schedule_choice.ScheduleChooser(Grid(1, 2, 1), 4, layouts, lambda layout: [1.0, 1.0])
+    ran, refused = [], []
+    for _ in range(40):
+        if not chooser.choosing:
+            break
+        if chooser.layout.placement == "v":
+            refused.append(chooser.schedule)
+            chooser.unavailable("disk full")
+            continue
+        ran.append(chooser.schedule)
+        chooser.step_done([], None, 1.0 - 0.01 * len(ran), None)
+    assert not chooser.choosing and set(chooser.dropped) == {"zb-v", "zb-v-half"} and refused == ["zb-v"]
+    assert ran[:2] == ["zb-h1"] * 2 and ran[-2:] == ["interleaved-1f1b"] * 2
+    assert sorted(set(ran)) == ["1f1b", "fthenb", "interleaved-1f1b", "zb-h1", "zb-h2"] and len(ran) == 10
+    # The last tried is the fastest measured (step times fall in this test).
+    assert chooser.schedule == "interleaved-1f1b" and "not run: zb-v, zb-v-half (disk full)" in chooser.choice["reason"]
+
+
+def test_candidates_are_the_cuts_that_fit() -> None:
+    one = {"fthenb", "1f1b", "zb-h1", "zb-h2"}
+    assert set(candidate_layouts(1, 4, 4)) == one  # one stage: no other cut
+    assert set(candidate_layouts(2, 4, 4, several_chunks=False)) == one
+    assert set(candidate_layouts(2, 3, 4)) == one | {"zb-v", "zb-v-half"}  # interleaved: groups of pp
+    assert set(candidate_layouts(4, 8, 4)) == one  # 8 virtual stages of 4 layers: none
+    assert candidate_layouts(2, 4, 8, chunks=4)["interleaved-1f1b"] == Layout(2, 4, "loop")
+
+
+def test_costs_carry_over_to_another_cut_by_flops() -> None:
+    measured = UnitCosts([1.0, 3.0], [2.0, 2.0], [1.0, 1.0], transfer=0.1, activation_bytes=[10, 30],
+                         fixed_bytes=[100, 50], source="step 1")
+    moved = on_layout(measured, [3.0, 1.0], "2 chunks per stage in a V")
+    assert moved.forward == pytest.approx([3.0, 1.0]) and moved.input_grad == pytest.approx([3.0, 1.0])
+    assert moved.weight_grad == pytest.approx([1.5, 0.5]) and moved.transfer == 0.1
+    assert moved.activation_bytes == [30, 10] and moved.fixed_bytes == [100, 100]
+    assert moved.source == "step 1, carried over to 2 chunks per stage in a V by FLOPs"
+    with pytest.raises(ScheduleError, match="positive FLOPs of each of 2 stages"):
+        on_layout(measured, [1.0, 0.0], "x")
 
 
 def test_a_slow_last_stage_is_seen_by_the_prediction() -> None:
@@ -174,16 +274,20 @@ def test_bad_costs_are_refused() -> None:
 
 
 def test_plan_command_prints_the_table_and_the_choice(capsys) -> None:
-    code = cli_main(["plan", "--config", "configs/gpt-1b.yaml", "parallel.pp=4", "parallel.microbatches=8",
-                     "train.global_batch_size=16"])
+    code = cli_main(["plan", "--config", "configs/gpt-1b.yaml", "parallel.pp=2", "parallel.microbatches=8"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "pp=4, 8 micro-batches; costs modelled" in out
-    for schedule in ("fthenb", "1f1b", "zb-h1", "zb-h2"):
+    assert "pp=2, 8 micro-batches; costs modelled" in out
+    for schedule in ("fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half"):
         assert any(line.startswith(schedule) for line in out.splitlines())
-    # Two zero-bubble orders predicted alike: auto would run both and keep the faster.
-    assert ("parallel.schedule=auto would run zb-h1, zb-h2 for 2 steps each (predicted within 5% of the fastest) "
-            "and keep the fastest measured; by prediction alone zb-h1: fastest predicted, least memory") in out
+    assert ("2 chunks per stage in a V: zb-v, zb-v-half; one chunk per stage: zb-h1, zb-h2, fthenb, 1f1b; "
+            "2 chunks per stage in a loop: interleaved-1f1b") in out
+    # ZB-V and two zero-bubble orders of one chunk predicted within 5%: auto would run them all.
+    assert ("parallel.schedule=auto would run zb-v, zb-h1, zb-h2 for 2 steps each (predicted within 5% of the "
+            "fastest) and keep the fastest measured; by prediction alone zb-v: fastest predicted") in out
+    # A list of layers per stage is a cut of its own: only its schedules.
+    assert cli_main(["plan", "--config", "configs/gpt-1b.yaml", "parallel.layers_per_stage=[8,6]"]) == 0
+    assert "zb-v" not in capsys.readouterr().out
 
 
 def test_plan_command_errors(capsys, tmp_path) -> None:

@@ -18,14 +18,14 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Callable
 
 import ray
 
 from raypar.actors.memory import shared_memory_notes
-from raypar.actors.worker_group import StepTimeout, WorkerGroup, is_echo
+from raypar.actors.worker_group import StepTimeout, WorkerGroup, WorkersLost, is_echo
 from raypar.checkpoint import read_manifest
 from raypar.checkpoint.storage import Location, redact
 from raypar.config import Config
@@ -36,19 +36,19 @@ from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, pla
 from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
 from raypar.driver.saver import Resumed, Saver
-from raypar.driver.schedule_choice import ScheduleChooser
+from raypar.driver.run_schedule import RunSchedule
 from raypar.driver.states import State, StateMachine
 from raypar.metrics import peak_flops_per_device
 from raypar.model import flops_per_token
 from raypar.model.tensor_parallel import fallbacks
 from raypar.resources import ResourceError, plan_resources
-from raypar.runtime.report import StepReport
-from raypar.schedule import build_programs, prepare, schedule_layout
+from raypar.schedule import CHUNKED_SCHEDULES, Layout
+from raypar.schedule.choice import describe
 from raypar.topology import Grid, cells_across_nodes
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
 WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
-                   StepTimeout)
+                   StepTimeout, WorkersLost)
 
 # status.json is rewritten at most this often while steps run (and when the run ends).
 STATUS_EVERY_S = 1.0
@@ -100,7 +100,7 @@ class Controller:
         # and whose every report came back (elastic.memory_every); then, during a recovery,
         # the failed grid, those steps and the generation of peers they were copied for.
         self._memory_steps: dict[int, int] = {}
-        self._memory_from: tuple[Grid, dict[int, int], int] | None = None
+        self._memory_from: tuple[Grid, Layout, dict[int, int], int] | None = None
         self._memory_swept = False  # the first group has cleared the nodes' shared memory
         self._memory_busy = False  # some worker was still copying at its last report
         self._replica_busy = False  # some worker was still sending a replica at its last report
@@ -115,9 +115,8 @@ class Controller:
         self._kernels_said = False
         self._flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self._peak_flops = 0.0  # per device, from the workers' devices once they are placed
-        # parallel.schedule=auto: each choice (one per grid run), with the costs and predictions behind it.
-        self.schedule_choices: list[dict] = []
-        self._set_programs()
+        self.run_schedule = RunSchedule(log)  # what the workers run, on which cut; auto's choices
+        self.run_schedule.start(self.cfg, self.grid)
 
     def stop(self, save: bool) -> None:
         self._stop = True
@@ -137,13 +136,13 @@ class Controller:
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         records, consumed = self.run(dataset, order)
         summary = summarise(
-            records, grid=self.grid, schedule=self._schedule_label(), microbatches=self.cfg.parallel.microbatches,
+            records, grid=self.grid, schedule=self.run_schedule.label(), microbatches=self.cfg.parallel.microbatches,
             device=self.device or "?", tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
             consumed=consumed, start_step=self.resumed.step,
             checkpoints=[{**asdict(c), "path": c.path and redact(c.path), "write_bytes_per_s": c.write_bytes_per_s}
                          for c in self.saver.results],
             checkpoints_skipped=self.saver.skipped, restarts=self.restarts, recoveries=self.recoveries,
-            schedule_choices=self.schedule_choices,
+            schedule_choices=self.run_schedule.choices, moves=self.run_schedule.moves,
             controller_states=[state.value for _, state, _ in self.states.history])
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         self._notify("on_train_end", summary)
@@ -230,6 +229,9 @@ class Controller:
         next_step, next_consumed = start, consumed
         grow_to: Plan | None = None
         while True:
+            if self.run_schedule.due and not inflight and grow_to is None and not self._stop \
+                    and next_step < self.cfg.train.steps:
+                self._change_schedule(next_step, next_consumed)
             while (grow_to is None and not self._stop and next_step < self.cfg.train.steps
                    and len(inflight) <= self.cfg.runtime.steps_ahead and self._may_issue(next_step, inflight)):
                 inflight.append(self._issue(next_step, next_consumed, order))
@@ -271,7 +273,7 @@ class Controller:
         (`checkpoint.when_busy=skip`) holds nothing back: the loop's own pauses (a write
         to the run's files while a save floods the disk) would show in that step.
         """
-        if self._choosing and inflight:
+        if (self.run_schedule.choosing or self.run_schedule.due) and inflight:
             return False  # what the next step runs depends on the one in flight
         policy = self.saver.policy
         if not inflight or not policy.save_due(step + 1):
@@ -324,12 +326,12 @@ class Controller:
         # Each action's measured span, per worker: enough to redraw the step's timeline.
         events.add(sent.step, reports, self.grid)
         gbs = self.cfg.train.global_batch_size
-        record = step_record(sent.step, reports, self.grid, self._sim_programs, self._last_step_done - started,
-                             tokens=gbs * self.cfg.data.seq_len, consumed_samples=sent.consumed + gbs,
-                             flops_per_token=self._flops_per_token, peak_flops=self._peak_flops,
-                             schedule=self.schedule)
-        if self._choosing:
-            self._choice_step_done(sent.step, reports, record.step_time_s)
+        record = step_record(sent.step, reports, self.grid, self.run_schedule.prepared,
+                             self._last_step_done - started, tokens=gbs * self.cfg.data.seq_len,
+                             consumed_samples=sent.consumed + gbs, flops_per_token=self._flops_per_token,
+                             peak_flops=self._peak_flops, schedule=self.run_schedule.schedule)
+        if self.run_schedule.choosing:
+            self.run_schedule.step_done(sent.step, reports, record.step_time_s, self._memory_budget())
         return record
 
     def _after_step(self, record: StepRecord, sent: InFlightStep, records: list[StepRecord], metrics: IO[str],
@@ -379,7 +381,7 @@ class Controller:
         resources = plan_resources(self.cfg, self.grid, ray.cluster_resources())
         self.states.to(State.STARTING, str(self.grid))
         self.device = resources.device
-        self.log(f"raypar: grid {self.grid} on {resources.device}, {self._schedule_label()} with "
+        self.log(f"raypar: grid {self.grid} on {resources.device}, {self.run_schedule.label()} with "
                  f"{self.cfg.parallel.microbatches} micro-batches, run dir {self.run_dir}")
         for line in fallbacks(self.cfg.model, self.grid.tp):
             self.log(f"raypar: {line}")
@@ -401,10 +403,8 @@ class Controller:
         # The workers' devices, not the driver's: a cluster's head node may have no GPU.
         peaks = [peak_flops_per_device(i.get("device_name"), self.cfg.model.dtype) for i in self.group.info]
         self._peak_flops = 0.0 if 0.0 in peaks else sum(peaks) / len(peaks)  # any unknown: MFU unknown
-        self.group.set_programs(self.programs)
-        if self.chooser is not None and not self.chooser.choosing:  # one stage: chosen without a step
-            self.schedule_choices.append({**self.chooser.choice, "steps": None})
-            self.log(f"raypar: parallel.schedule=auto runs {self.schedule} on {self.grid}: {self.chooser.choice['reason']}")
+        self.group.set_programs(self.run_schedule.programs)
+        self.run_schedule.started()
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             self.group.memory.set_peers()
             for line in shared_memory_notes(self.group.info):
@@ -423,7 +423,7 @@ class Controller:
         failed, self._memory_from = self._memory_from, None
         if failed is None or self._recovery is None:
             return None
-        failed_grid, steps, generation = failed
+        failed_grid, failed_layout, steps, generation = failed
         stored = -1 if path is None else read_manifest(path).step
         found = self.group.memory.newest_whole(failed_grid.size, [s for s in steps if s >= stored], generation)
         if isinstance(found, str):
@@ -432,8 +432,10 @@ class Controller:
             return None
         step, holders = found
         self.group.prefetch(self._batch_ids(order, steps[step]))
-        loaded, load_s = self.group.memory.restore(step, holders, same_grid=failed_grid == self.grid,
-                                                   generation=generation)
+        # A state kept on another cut of the model (parallel.schedule=auto's chunks) is not
+        # rank for rank what this one's workers hold.
+        same = failed_grid == self.grid and failed_layout == self.run_schedule.layout
+        loaded, load_s = self.group.memory.restore(step, holders, same_grid=same, generation=generation)
         self.log(f"raypar: restored step {step} from the workers' memory"
                  + (f" (the newest checkpoint holds step {stored})" if stored >= 0 else ""))
         return Resumed(step, steps[step], None, loaded, load_s)
@@ -470,48 +472,62 @@ class Controller:
             self.log(f"raypar: planned grid {plan}")
         self.cfg = with_plan(self.base_cfg, plan)
         self.grid = plan.grid
-        self._set_programs()
+        self.run_schedule.start(self.cfg, self.grid)
 
-    def _set_programs(self) -> None:
-        """The configured schedule's programs for this grid; `auto`: those of the schedule
-        its chooser runs first (`raypar.driver.schedule_choice`)."""
-        auto = self.cfg.parallel.schedule == "auto"
-        self.chooser = ScheduleChooser(self.grid, self.cfg.parallel.microbatches) if auto else None
-        self.schedule = self.chooser.schedule if auto else self.cfg.parallel.schedule
-        self._build_programs()
+    def switch_schedule(self, schedule: str, chunks: int | None = None) -> None:
+        """Run `schedule` (with `chunks` per stage) from the first step not yet sent, once the
+        steps in flight are done (`RunSchedule.request`)."""
+        self.run_schedule.request(schedule, chunks)
 
-    @property
-    def _choosing(self) -> bool:
-        return self.chooser is not None and self.chooser.choosing
+    def _change_schedule(self, steps_done: int, consumed: int) -> None:
+        """Before step `steps_done`, nothing in flight: what switch_schedule asked for, or
+        auto's next schedule, its cut made first (`_move_to`)."""
+        switched = self.run_schedule.apply(lambda schedule, layout: self._move_to(schedule, layout, steps_done,
+                                                                                   consumed))
+        if switched is not None:
+            # The switch holds for the rest of the run, re-plans included.
+            self.base_cfg, self.cfg = (
+                replace(c, parallel=replace(c.parallel, schedule=switched.schedule, chunks=switched.chunks))
+                for c in (self.base_cfg, self.cfg))
+        self.group.set_programs(self.run_schedule.programs)
 
-    def _schedule_label(self) -> str:
-        """The schedule running, and how it came: "1f1b", "auto: 1f1b", "auto: timing zb-h1"."""
-        if self.chooser is None:
-            return self.schedule
-        return f"auto: {self.chooser.state + ' ' if self._choosing else ''}{self.schedule}"
+    def _move_to(self, schedule: str, layout: Layout, steps_done: int, consumed: int) -> str | None:
+        """Move the workers to `layout` (how `schedule` cuts the model) after `steps_done`
+        steps: the state goes to a checkpoint, the same workers build their stages of the new
+        cut, and load it; the move goes to `moves`. Returns why not, when the checkpoint
+        failed (the cut is unchanged). With checkpoint.every=0 the checkpoint goes once loaded."""
+        from raypar.checkpoint import checkpoint_dir
 
-    def _build_programs(self) -> None:
-        p = self.cfg.parallel
-        chunks = None if p.schedule == "auto" else p.chunks  # auto runs schedules of one chunk per stage
-        self.programs = build_programs(self.schedule, self.grid.pp, p.microbatches, release=self.cfg.runtime.release,
-                                       chunks=chunks)
-        # Checked once; each step only times them.
-        self._sim_programs = prepare(self.programs, schedule_layout(self.schedule, self.grid.pp, chunks))
-
-    def _choice_step_done(self, step: int, reports: list[StepReport], step_time_s: float) -> None:
-        """`parallel.schedule: auto`: a step of the choice finished; run what the chooser says next."""
-        self.chooser.step_done(reports, self._sim_programs, step_time_s, self._memory_budget())
-        if not self.chooser.choosing:
-            # The steps the choice took: from the grid run's first to this one.
-            first = step - self.chooser.steps_run + 1
-            self.schedule_choices.append({**self.chooser.choice, "steps": [first, step]})
-            c = self.chooser.choice
-            self.log(f"raypar: parallel.schedule=auto chose {c['schedule']} on {self.grid}: {c['reason']}; costs "
-                     f"{self.chooser.costs.source}\n" + self.chooser.table())
-        if self.chooser.schedule != self.schedule:
-            self.schedule = self.chooser.schedule
-            self._build_programs()
-            self.group.set_programs(self.programs)
+        t0 = time.perf_counter()
+        saved = self.saver.save_now(steps_done, consumed, self.cfg, self.grid)
+        if saved.error is not None:
+            if not self.group.all_alive():  # a lost worker is a failure to recover from, not a cut to give up
+                raise WorkersLost(f"a stage worker was lost while saving step {steps_done} to move the model to "
+                                  f"{describe(layout)}: {saved.error[:200]}")
+            return f"the checkpoint that moves the model to its cut failed ({saved.error[:200]})"
+        t1 = time.perf_counter()
+        chunks = layout.n_chunks if schedule in CHUNKED_SCHEDULES else None
+        self.group.rebuild(replace(self.cfg, parallel=replace(self.cfg.parallel, schedule=schedule, chunks=chunks)))
+        t2 = time.perf_counter()
+        resumed = self.saver.resume(checkpoint_dir(self.saver.root, steps_done), self.cfg, self.grid)
+        if (resumed.step, resumed.consumed_samples) != (steps_done, consumed):
+            raise RuntimeError(f"moving to {schedule}'s cut loaded step {resumed.step} ({resumed.consumed_samples} "
+                               f"samples), not {steps_done} ({consumed})")
+        if self.cfg.checkpoint.every <= 0:
+            self.saver.discard(saved)  # the run keeps no checkpoints: this one only moved the state
+        if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
+            # The copies held were of the other cut: from now on, this one's.
+            self.group.memory.clear()
+            self._memory_steps = {}
+            self.group.memory.set_peers()
+        move = {"schedule": schedule, "cut": describe(layout), "step": steps_done, "save_s": t1 - t0,
+                "rebuild_s": t2 - t1, "load_s": time.perf_counter() - t2, "bytes": saved.bytes}
+        move["total_s"] = move["save_s"] + move["rebuild_s"] + move["load_s"]
+        self.run_schedule.moves.append(move)
+        self.log(f"raypar: moved the model to {describe(layout)} for {schedule} at step {steps_done} in "
+                 f"{move['total_s']:.1f}s: checkpoint {move['save_s']:.1f}s ({saved.bytes / 2**30:.2f} GiB), stages "
+                 f"rebuilt {move['rebuild_s']:.1f}s, loaded {move['load_s']:.1f}s")
+        return None
 
     def _memory_budget(self) -> int | None:
         """Bytes a stage may hold: parallel.memory_budget_gb, else DEVICE_MEMORY_SHARE of the
@@ -570,7 +586,8 @@ class Controller:
         self._memory_busy = self._replica_busy = False  # the workers' copies after the restore start afresh
         if self._memory_steps:
             # What the workers keep in memory is of this grid and these steps.
-            self._memory_from = (self.grid, dict(self._memory_steps), self.group.memory.generation)
+            self._memory_from = (self.grid, self.run_schedule.layout, dict(self._memory_steps),
+                                 self.group.memory.generation)
             self._memory_steps = {}
         self.log(f"raypar: lost a worker or a collective ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
                  f"recovering")
@@ -637,6 +654,6 @@ class Controller:
     def _write_status(self, step: int, loss: float | None = None) -> None:
         self._status_written = time.monotonic()
         write_status(self.run_dir, run_dir=str(self.run_dir), state=self.states.state.value, grid=str(self.grid),
-                     schedule=self._schedule_label(), microbatches=self.cfg.parallel.microbatches,
+                     schedule=self.run_schedule.label(), microbatches=self.cfg.parallel.microbatches,
                      device=self.device, step=step, total_steps=self.cfg.train.steps,
                      loss=loss, last_checkpoint=self.saver.last_committed(), restarts=self.restarts)

@@ -193,6 +193,9 @@ class RunSummary:
     controller_states: list[str] = field(default_factory=list)
     # parallel.schedule=auto: per grid run, the schedule chosen, why, and the costs and predictions
     schedule_choices: list[dict] = field(default_factory=list)
+    # Each move of the workers to another cut of the model (a schedule of other chunks per
+    # stage): its schedule, step, and checkpoint, rebuild and load seconds.
+    moves: list[dict] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -247,6 +250,9 @@ class RunSummary:
             lines.append(f"checkpoint stall    {per_save * 1000:.1f} ms per save ({share:.2f}% of a step)")
         for c in self.schedule_choices:
             lines.append(f"schedule choice     {c['schedule']} on {c['grid']}: {c['reason']}")
+        for m in self.moves:
+            lines.append(f"moved to a new cut  {m['cut']} for {m['schedule']} at step {m['step']}: {m['total_s']:.2f} s "
+                         f"(checkpoint {m['save_s']:.2f}, rebuild {m['rebuild_s']:.2f}, load {m['load_s']:.2f})")
         for r in self.recoveries:
             lines.append(f"recovery {r['restart']}          {r['error']} on {r['failed_grid']} -> {r['grid']}: detected in "
                          f"{r['detection_s']:.1f}s, recovered in {r['recovery_s']:.1f}s, {r['steps_lost']} steps redone")
@@ -263,7 +269,8 @@ def _mib(nbytes: float, digits: int = 2) -> str:
 def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatches: int, device: str,
               tokens_per_step: int, consumed: int, start_step: int, checkpoints: list[dict],
               checkpoints_skipped: int, restarts: int, recoveries: list[Recovery],
-              controller_states: list[str], schedule_choices: list[dict] | None = None) -> RunSummary:
+              controller_states: list[str], schedule_choices: list[dict] | None = None,
+              moves: list[dict] | None = None) -> RunSummary:
     # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
     steady = records[1:] if len(records) > 1 else records
     avg = lambda attr: fmean(getattr(r, attr) for r in steady) if steady else 0.0  # noqa: E731
@@ -307,6 +314,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         recoveries=[r.to_dict() for r in recoveries],
         controller_states=controller_states,
         schedule_choices=schedule_choices or [],
+        moves=moves or [],
         records=records,
     )
 

@@ -134,6 +134,29 @@ class Saver:
         ref = self._workers.save(str(self.root), steps_done, meta)
         self._pending = (steps_done, ref, time.perf_counter())
 
+    def save_now(self, steps_done: int, consumed: int, cfg: Config, grid: Grid) -> SaveResult:
+        """Save the state after `steps_done` steps (between steps) and wait for its commit,
+        e.g. before the workers' stages are cut anew; one of that step already committed is
+        the result. Its error says when it failed."""
+        self.finish()
+        last = self.results[-1] if self.results else None
+        if last is not None and last.step == steps_done and last.error is None and last.path is not None:
+            return last
+        self.wait_shard_writes()  # the last snapshot's buffers are reused
+        self.snapshot(steps_done - 1)
+        self.begin(steps_done, consumed, cfg, grid)
+        self.finish()
+        return self.results[-1]
+
+    def discard(self, result: SaveResult) -> None:
+        """Remove a committed checkpoint the run does not keep (one that only carried the state
+        from one cut of the model to another); its result stays, without a path."""
+        from raypar.checkpoint import checkpoint_dir
+        from raypar.checkpoint.storage import delete_dir
+
+        delete_dir(checkpoint_dir(self.root, result.step))
+        result.path = None
+
     def wait_shard_writes(self) -> float:
         """Wait until the last snapshot left the workers (its buffers are reused next)."""
         return self._workers.wait_shard_writes(self.timeout_s)
@@ -192,8 +215,8 @@ class Saver:
         self.on_result(result)
 
     def last_committed(self) -> str | None:
-        ok = [r for r in self.results if r.error is None]
-        return ok[-1].path if ok else None
+        kept = [r for r in self.results if r.error is None and r.path is not None]
+        return kept[-1].path if kept else None
 
     # -- resuming ----------------------------------------------------------------------------
 

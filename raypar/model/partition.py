@@ -116,6 +116,19 @@ def stage_layers(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int
     return balanced_layers(cfg, n_stages) if layers_per_stage == "auto" else layers_per_stage
 
 
+def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
+                 layers_per_stage: Sequence[int] | str | None = None) -> list[float]:
+    """Training FLOPs per token each worker of `layout` runs: its chunks' layers, and the
+    head on the worker holding the last virtual stage."""
+    n = layout.n_virtual
+    ranges = split_layers(cfg.n_layers, n, stage_layers(cfg, n, layers_per_stage))
+    flops = [0.0] * layout.n_actors
+    for vs, layers in enumerate(ranges):
+        worker = layout.place(vs)[0]
+        flops[worker] += sum(layer_flops(cfg, i, seq_len) for i in layers) + (head_flops(cfg) if vs == n - 1 else 0)
+    return flops
+
+
 def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None,
                   ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
                   tp: TensorParallel | None = None) -> Transformer:

@@ -16,16 +16,21 @@ runs the `finalists` (predicted within MEASURE_WITHIN of the fastest) a step or 
 and passes their measured step times: then the fastest measured wins. The simulator
 times each order from per-unit costs; what the host and the device add to an order
 (issuing W's extra GEMMs, allocations for more live micro-batches) it cannot see.
+
+Schedules of several chunks per stage cut the model otherwise (`candidate_layouts`):
+costs measured on one cut are carried over to another by FLOPs (`on_layout`,
+`predict_cuts`), so one timed step predicts every cut.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Sequence
+from typing import Callable, Sequence
 
-from raypar.schedule.generators import SCHEDULES, schedule_layout
+from raypar.schedule.generators import CHUNKED_SCHEDULES, SCHEDULES, schedule_fits, schedule_layout
 from raypar.schedule.ir import Op, ScheduleError
+from raypar.schedule.layout import Layout
 from raypar.schedule.lower import build_programs
 from raypar.schedule.simulator import prepare, simulate
 
@@ -105,6 +110,58 @@ def predict(schedule: str, microbatches: int, costs: UnitCosts, chunks: int | No
         fixed = costs.fixed_bytes or [0] * costs.n_stages
         peak_bytes = [f + live * a // v for f, live, a in zip(fixed, sim.peak_live, costs.activation_bytes)]
     return Prediction(schedule, sim.makespan, sim.bubble_fraction, list(sim.peak_live), peak_bytes)
+
+
+def on_layout(costs: UnitCosts, flops_to: Sequence[float], layout_name: str) -> UnitCosts:
+    """`costs` measured on one cut of the model, carried over to the stages of another cut
+    (`flops_to`: each stage's FLOPs there, e.g. under a schedule's chunks per stage): each
+    stage's F, I, W and activation bytes are the measured totals in proportion to its FLOPs
+    (the head's extra cost goes where the head goes). A stage's fixed bytes are bounded by the most any measured stage held (every cut
+    splits the same weights over as many stages; ZB-V's first stage holds the embedding and
+    the head, as much as one chunk's first and last stages together)."""
+    if len(flops_to) != costs.n_stages or min(flops_to) <= 0:
+        raise ScheduleError(f"need the positive FLOPs of each of {costs.n_stages} stages, got {list(flops_to)}")
+    shares = [f / sum(flops_to) for f in flops_to]
+    spread = lambda values: [sum(values) * share for share in shares]  # noqa: E731
+    activation = None if costs.activation_bytes is None else [int(a) for a in spread(costs.activation_bytes)]
+    fixed = None if costs.fixed_bytes is None else [max(costs.fixed_bytes)] * costs.n_stages
+    return UnitCosts(spread(costs.forward), spread(costs.input_grad), spread(costs.weight_grad), costs.transfer,
+                     activation, fixed, f"{costs.source}, carried over to {layout_name} by FLOPs")
+
+
+def describe(layout: Layout) -> str:
+    """How `layout` cuts the model, in words."""
+    if layout.n_chunks == 1:
+        return "one chunk per stage"
+    return f"{layout.n_chunks} chunks per stage " + ("in a V" if layout.placement == "v" else "in a loop")
+
+
+def candidate_layouts(n_stages: int, microbatches: int, n_layers: int, chunks: int | None = None,
+                      several_chunks: bool = True) -> dict[str, Layout]:
+    """The schedules `parallel.schedule: auto` chooses among on `n_stages` stages, each with
+    how it cuts the model: those of one chunk per stage, and with `several_chunks` those of
+    several that fit the model and the micro-batches (interleaved-1f1b with `chunks`, else
+    its default)."""
+    layouts = {name: Layout(n_stages) for name in SCHEDULES}
+    if not several_chunks or n_stages == 1:
+        return layouts
+    for name, spec in CHUNKED_SCHEDULES.items():
+        count = spec.chunks or (chunks if chunks and chunks > 1 else None)
+        if schedule_fits(name, n_stages, microbatches, n_layers, count) is None:
+            layouts[name] = schedule_layout(name, n_stages, count)
+    return layouts
+
+
+def predict_cuts(microbatches: int, costs: UnitCosts, measured_on: Layout, layouts: dict[str, Layout],
+                 stage_flops: Callable[[Layout], list[float]]) -> list[Prediction]:
+    """Each schedule of `layouts` predicted on its own cut, fastest first: with `costs` where
+    they were measured on its cut (`measured_on`), else with them carried over (`on_layout`)."""
+    out = []
+    for name, layout in layouts.items():
+        on_cut = costs if layout == measured_on else on_layout(costs, stage_flops(layout), describe(layout))
+        chunks = layout.n_chunks if name in CHUNKED_SCHEDULES else None
+        out.append(predict(name, microbatches, on_cut, chunks=chunks))
+    return sorted(out, key=lambda p: p.step_s)
 
 
 def predict_all(microbatches: int, costs: UnitCosts, schedules: Sequence[str] | None = None) -> list[Prediction]:

@@ -1,0 +1,87 @@
+"""Switching schedules mid-run (`Trainer.switch_schedule`): the workers move to another cut
+of the model through a checkpoint, and training goes on as if nothing happened."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from raypar.config import ConfigError
+from raypar.driver.callbacks import Callback
+from raypar.driver.trainer import Trainer
+
+from helpers import run_config
+
+
+class SwitchAt(Callback):
+    """Calls `trainer.switch_schedule(*args)` at the end of each step named in `plan`."""
+
+    def __init__(self, plan: dict[int, tuple]):
+        self.plan = plan
+
+    def on_step_end(self, trainer, record):
+        if record.step in self.plan:
+            trainer.switch_schedule(*self.plan.pop(record.step))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    from raypar.data import write_synthetic_corpus
+
+    tmp = tmp_path_factory.mktemp("switch")
+    write_synthetic_corpus(tmp / "data.parquet", 256, 8, 64, seed=1)
+
+    def run(name: str, callbacks=(), **sections):
+        cfg = run_config(tmp, name, (1, 2, 1), 9, model={"dropout": 0.1},
+                         parallel={"microbatches": 4, **sections.pop("parallel", {})}, **sections)
+        return Trainer(cfg, callbacks=list(callbacks), log=lambda m: None).fit(), tmp / name
+
+    return run
+
+
+def test_switching_cuts_mid_run_keeps_every_loss(runs) -> None:
+    """1F1B, then ZB-V (two chunks in a V) after step 2, then interleaved 1F1B with two chunks
+    in a loop after step 5: each switch moves the workers once, through a checkpoint of its
+    step that stays (checkpoint.every=3), and every loss is the fixed 1F1B run's. With the
+    runtime sending a step ahead, the switch waits for the one in flight."""
+    fixed, _ = runs("fixed", checkpoint={"every": 3})
+    switched, run_dir = runs("switched", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})],
+                             checkpoint={"every": 3}, runtime={"steps_ahead": 1})
+    assert [r.loss for r in switched.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
+    schedules = [r.schedule for r in switched.records]
+    # The step after the switch's was already sent (steps_ahead=1): the switch comes after it.
+    assert schedules == ["1f1b"] * 4 + ["zb-v"] * 3 + ["interleaved-1f1b"] * 2, schedules
+    assert [(m["schedule"], m["cut"], m["step"]) for m in switched.moves] == [
+        ("zb-v", "2 chunks per stage in a V", 4), ("interleaved-1f1b", "2 chunks per stage in a loop", 7)]
+    assert all(m["total_s"] == pytest.approx(m["save_s"] + m["rebuild_s"] + m["load_s"]) for m in switched.moves)
+    kept = sorted(c["step"] for c in switched.checkpoints if c["error"] is None and c["path"])
+    assert kept == [3, 4, 6, 7, 9]
+    assert "moved to a new cut  2 chunks per stage in a V for zb-v at step 4" in switched.format()
+
+
+def test_a_switch_that_cannot_run_is_refused_at_once(tmp_path) -> None:
+    """Checked when asked, not when the steps in flight are done: nothing is queued."""
+    from helpers import tiny_config
+
+    from raypar.driver.run_schedule import RunSchedule
+    from raypar.topology import Grid
+
+    cfg = tiny_config(tmp_path)  # pp=2, 4 micro-batches, 4 layers
+    schedule = RunSchedule(log=lambda m: None)
+    schedule.start(cfg, Grid(1, 2, 1))
+    for args, error in ((("zb-x",), "unknown schedule 'zb-x'; valid schedules:"),
+                        (("interleaved-1f1b", 3), "2 stages x 3 chunks = 6 virtual stages of at least one layer "
+                                                  "each, but the model has 4 layers"),
+                        (("zb-v", 3), "runs exactly 2 model chunks per stage, not 3")):
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            schedule.request(*args)
+    assert not schedule.due
+    listed = tiny_config(tmp_path, parallel={"layers_per_stage": [3, 1]})
+    schedule.start(listed, Grid(1, 2, 1))
+    with pytest.raises(ConfigError, match=r"counts the layers of this cut of the model; zb-v cuts it otherwise"):
+        schedule.request("zb-v")
+    schedule.request("zb-h2")  # the same cut: fine
+    assert schedule.due
+    schedule.start(tiny_config(tmp_path, parallel={"schedule": "auto"}), Grid(1, 2, 1))
+    with pytest.raises(ConfigError, match="parallel.schedule=auto chooses the schedule itself"):
+        schedule.request("zb-v")
