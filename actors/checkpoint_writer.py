@@ -20,8 +20,26 @@ class CheckpointWriter:
 
     def commit(self, step: int, meta: dict, *written: dict) -> dict:
         """Runs once every shard is written (Ray resolves `written` first): manifest, rename, rotate."""
+        return self._commit(self.root, step, meta, written)
+
+    def commit_scratch(self, scratch: str, step: int, meta: dict, *written: dict) -> dict:
+        """`commit` of a checkpoint written under `scratch` (`make_scratch`): not rotated."""
+        return self._commit(scratch, step, meta, written)
+
+    def make_scratch(self, nbytes: int) -> str | None:
+        """Room on this node for a checkpoint of `nbytes` that only moves the state (`raypar.runtime.scratch`)."""
+        from raypar.runtime.scratch import make_scratch
+
+        return make_scratch(nbytes)
+
+    def remove_scratch(self, path: str) -> None:
+        from raypar.runtime.scratch import remove_scratch
+
+        remove_scratch(path)
+
+    def _commit(self, root: str, step: int, meta: dict, written: tuple[dict, ...]) -> dict:
         t0 = time.perf_counter()
-        ckpt = checkpoint_dir(self.root, step)
+        ckpt = checkpoint_dir(root, step)
         shapes: dict = {}
         for w in written:
             shapes.update(w["shapes"])
@@ -29,7 +47,7 @@ class CheckpointWriter:
                             config=meta["config"], extra=meta.get("extra", {}),
                             tensors=merge_entries([w["results"] for w in written], shapes))
         commit(ckpt, manifest)
-        removed = rotate(self.root, self.keep_last)
+        removed = rotate(root, self.keep_last) if root == self.root else []
         nbytes = sum(w["bytes"] for w in written)
         write_s = max(w["seconds"] for w in written)
         return {"step": step, "path": str(ckpt), "bytes": nbytes, "write_s": write_s,

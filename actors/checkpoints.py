@@ -86,12 +86,28 @@ class WorkerCheckpoints:
         g = self.group
         ray.get([w.start_snapshot.remote(step, options) for w in g.workers], timeout=g.cfg.checkpoint.timeout_s)
 
-    def save(self, root: str, step: int, meta: dict):
-        """Each worker writes its last snapshot as its shard; returns the commit's ObjectRef."""
+    def save(self, root: str, step: int, meta: dict, scratch: str | None = None):
+        """Each worker writes its last snapshot as its shard (under `scratch`, from
+        `make_scratch`, instead of `root`); returns the commit's ObjectRef."""
         g = self.group
-        writers = self._started_writers(root)
-        self._shard_writes = [w.write_snapshot.remote(root, step) for w in g.workers]
-        return writers[g.info[0]["node_id"]].commit.remote(step, meta, *self._shard_writes)
+        writer = self._started_writers(root)[g.info[0]["node_id"]]
+        self._shard_writes = [w.write_snapshot.remote(scratch or root, step) for w in g.workers]
+        if scratch is not None:
+            return writer.commit_scratch.remote(scratch, step, meta, *self._shard_writes)
+        return writer.commit.remote(step, meta, *self._shard_writes)
+
+    def make_scratch(self, root: str, nbytes: int) -> str | None:
+        """Where all the workers run on one node with room for `nbytes` in its shared memory:
+        a directory there for a checkpoint that only moves the state; else None."""
+        nodes = {i["node_id"] for i in self.group.info}
+        if len(nodes) != 1:
+            return None
+        writer = self._started_writers(root)[nodes.pop()]
+        return ray.get(writer.make_scratch.remote(nbytes), timeout=self.group.cfg.checkpoint.timeout_s)
+
+    def remove_scratch(self, root: str, path: str) -> None:
+        writer = self._started_writers(root)[self.group.info[0]["node_id"]]
+        ray.get(writer.remove_scratch.remote(path), timeout=self.group.cfg.checkpoint.timeout_s)
 
     def wait_shard_writes(self, timeout: float) -> float:
         """Block until every worker has written the last snapshot (its host buffers get reused

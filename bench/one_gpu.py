@@ -18,7 +18,9 @@
   whole 0.84B on one worker goes from one chunk (1F1B) to ZB-V's two chunks after step
   MOVE_AT, through a checkpoint (`cut-move`), against the same run without (`cut-stay`): the
   move's phases (checkpoint to commit, stages rebuilt, loaded), its wall time seen by the
-  loop, and the losses of the two runs side by side; `cut-zb-v` runs ZB-V from the start.
+  loop, and the losses of the two runs side by side; `cut-zb-v` runs ZB-V from the start. The
+  move goes through the node's shared memory (one node); `cut-move-storage` makes it go
+  through the checkpoint directory, as where the workers span nodes.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -53,6 +55,7 @@ KINDS = {
     "recovery-borrowed-storage": ("gpt-1b.yaml", [*MEMORY, *RECOVERY, "elastic.memory_every=0"]),
     "cut-stay": ("gpt-1b.yaml", ON_ONE),
     "cut-move": ("gpt-1b.yaml", ON_ONE),
+    "cut-move-storage": ("gpt-1b.yaml", ON_ONE),
     "cut-zb-v": ("gpt-1b.yaml", [*ON_ONE, "parallel.schedule=zb-v"]),
 }
 # Ratios the table shows: (kind, against).
@@ -87,7 +90,11 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
         return recovery(kind, config, overrides, work)
     cfg = load_config(str(ROOT / "configs" / config),
                       [*overrides, f"train.steps={steps}", f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
-    callbacks = [switch_once(MOVE_AT, "zb-v")] if kind == "cut-move" else []
+    callbacks = [switch_once(MOVE_AT, "zb-v")] if kind.startswith("cut-move") else []
+    if kind == "cut-move-storage":
+        from raypar.actors.checkpoints import WorkerCheckpoints
+
+        WorkerCheckpoints.make_scratch = lambda self, root, nbytes: None  # this launch's process only
     t0 = time.perf_counter()
     s = Trainer(cfg, callbacks=callbacks, log=lambda m: None).fit()
     wall_s = time.perf_counter() - t0
@@ -142,17 +149,20 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {k} | {each} | {med[k]:,.0f} | {mfu:.3f} | {rs[0]['memory_copies']} |")
     lines += ["", "| ratio | tokens/s |", "|---|---|"]
     lines += [f"| {a} / {b} | {med[a] / med[b]:.3f} |" for a, b in RATIOS if a in med and b in med]
-    moved = [r for r in results if r["kind"] == "cut-move" and r.get("moves")]
+    moved = [r for r in results if r["kind"].startswith("cut-move") and r.get("moves")]
     stays = [r for r in results if r["kind"] == "cut-stay"]
     if moved:
-        lines += ["", "| cut-move round | move s (loop waits) | checkpoint to commit s | stages rebuilt s | loaded s | "
-                  "GiB | run wall s vs cut-stay | max loss diff vs cut-stay |", "|---|---|---|---|---|---|---|---|"]
-        for i, r in enumerate(moved):
+        lines += ["", "| launch | through | move s (loop waits) | checkpoint to commit s (copies off the device, "
+                  "write) | stages rebuilt s | loaded s | GiB | run wall s vs cut-stay | max loss diff vs cut-stay |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in moved:
+            i = [x for x in results if x["kind"] == r["kind"]].index(r)  # its round
             m, stay = r["moves"][0], stays[i] if i < len(stays) else None
             diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stay["losses"])) if stay else float("nan")
             wall = f"{r['wall_s']:.1f} vs {stay['wall_s']:.1f}" if stay else "-"
-            lines.append(f"| {i} | {m['total_s']:.2f} | {m['save_s']:.2f} | {m['rebuild_s']:.2f} | {m['load_s']:.2f} | "
-                         f"{m['bytes'] / 2**30:.1f} | {wall} | {diff:.2e} |")
+            lines.append(f"| {r['kind']} {i} | {m.get('through', 'storage')} | {m['total_s']:.2f} | {m['save_s']:.2f} "
+                         f"({m.get('copy_wait_s', 0):.2f}, {m.get('write_s', 0):.2f}) | "
+                         f"{m['rebuild_s']:.2f} | {m['load_s']:.2f} | {m['bytes'] / 2**30:.1f} | {wall} | {diff:.2e} |")
     killed = [r for r in results if "kill_to_step_s" in r]
     if killed:
         lines += ["", "| launch | kill to step s | detection s | survivors' teardown s | workers up s | state load s | "

@@ -39,24 +39,35 @@ def runs(ray_session, tmp_path_factory):
     return run
 
 
-def test_switching_cuts_mid_run_keeps_every_loss(runs) -> None:
+@pytest.mark.parametrize("through", ["shared memory", "storage"])
+def test_switching_cuts_mid_run_keeps_every_loss(runs, monkeypatch, through) -> None:
     """1F1B, then ZB-V (two chunks in a V) after step 2, then interleaved 1F1B with two chunks
     in a loop after step 5: each switch moves the workers once, through a checkpoint of its
-    step that stays (checkpoint.every=3), and every loss is the fixed 1F1B run's. With the
-    runtime sending a step ahead, the switch waits for the one in flight."""
+    step, and every loss is the fixed 1F1B run's. With the runtime sending a step ahead, the
+    switch waits for the one in flight. Through shared memory (one node here) the move's
+    checkpoint is not one of the run's (checkpoint.every=3 saves its own); through storage
+    (as with no room in shared memory) with checkpoint.every=0 it is removed once loaded."""
+    if through == "storage":
+        monkeypatch.setattr("raypar.actors.checkpoints.WorkerCheckpoints.make_scratch", lambda self, root, n: None)
     fixed, _ = runs("fixed", checkpoint={"every": 3})
-    switched, run_dir = runs("switched", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})],
-                             checkpoint={"every": 3}, runtime={"steps_ahead": 1})
+    every = 3 if through == "shared memory" else 0
+    switched, run_dir = runs(f"switched-{through.split()[0]}", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})],
+                             checkpoint={"every": every}, runtime={"steps_ahead": 1})
     assert [r.loss for r in switched.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
     schedules = [r.schedule for r in switched.records]
     # The step after the switch's was already sent (steps_ahead=1): the switch comes after it.
     assert schedules == ["1f1b"] * 4 + ["zb-v"] * 3 + ["interleaved-1f1b"] * 2, schedules
-    assert [(m["schedule"], m["cut"], m["step"]) for m in switched.moves] == [
-        ("zb-v", "2 chunks per stage in a V", 4), ("interleaved-1f1b", "2 chunks per stage in a loop", 7)]
+    assert [(m["schedule"], m["cut"], m["step"], m["through"]) for m in switched.moves] == [
+        ("zb-v", "2 chunks per stage in a V", 4, through), ("interleaved-1f1b", "2 chunks per stage in a loop", 7, through)]
     assert all(m["total_s"] == pytest.approx(m["save_s"] + m["rebuild_s"] + m["load_s"]) for m in switched.moves)
-    kept = sorted(c["step"] for c in switched.checkpoints if c["error"] is None and c["path"])
-    assert kept == [3, 4, 6, 7, 9]
+    saves = [(c["step"], c["path"] is not None, c["error"]) for c in switched.checkpoints]
+    assert saves == ([(3, True, None), (6, True, None), (9, True, None)] if every else
+                     [(4, False, None), (7, False, None)])  # the moves', gone once loaded
+    assert len(list((run_dir / "ckpt").glob("step-*"))) == (2 if every else 0)  # checkpoint.keep_last
     assert "moved to a new cut  2 chunks per stage in a V for zb-v at step 4" in switched.format()
+    from raypar.runtime.scratch import PREFIX, SHM_ROOT
+
+    assert not list(SHM_ROOT.glob(PREFIX + "*")), "a move left its checkpoint in shared memory"
 
 
 def test_a_switch_that_cannot_run_is_refused_at_once(tmp_path) -> None:

@@ -46,6 +46,13 @@ def _root(directory: str | None, run_dir: Path) -> Location:
     return directory if is_uri(directory) else Path(directory).expanduser().resolve()
 
 
+def _meta(consumed: int, cfg: Config, grid: Grid) -> dict:
+    """What a checkpoint's manifest says beside its tensors."""
+    return {"consumed_samples": consumed, "config": cfg.to_dict(),
+            "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep, "tp": grid.tp},
+            "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
+
+
 class ModelMismatchError(CheckpointError):
     """A checkpoint of another model: the config is wrong, not the checkpoint; no fallback."""
 
@@ -128,16 +135,33 @@ class Saver:
             return
         # Partial directories of failed saves go; the one about to be written stays.
         self._workers.clean_before(str(self.root), str(checkpoint_dir(self.root, steps_done)))
-        meta = {"consumed_samples": consumed, "config": cfg.to_dict(),
-                "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep, "tp": grid.tp},
-                "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
-        ref = self._workers.save(str(self.root), steps_done, meta)
+        ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid))
         self._pending = (steps_done, ref, time.perf_counter())
+
+    def save_scratch(self, steps_done: int, consumed: int, cfg: Config, grid: Grid, scratch: str) -> SaveResult:
+        """Save the state after `steps_done` steps (between steps) under `scratch`
+        (`WorkerCheckpoints.make_scratch`) and wait for its commit: a checkpoint that only
+        moves the state, not one of the run's (not in `results`, never rotated). Its error
+        says when it failed."""
+        import ray
+
+        self.finish()
+        self.wait_shard_writes()  # the last snapshot's buffers are reused
+        t0 = time.perf_counter()
+        try:
+            self._workers.wait_writers(self.timeout_s)
+            self.snapshot(steps_done - 1)
+            ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid), scratch=scratch)
+            r = ray.get(ref, timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the caller saves to storage instead, or recovers
+            return SaveResult(steps_done, None, 0, 0.0, time.perf_counter() - t0, error=repr(e)[:500])
+        return SaveResult(steps_done, r["path"], r["bytes"], r["write_s"], time.perf_counter() - t0,
+                          copy_wait_s=r["copy_wait_s"], commit_s=r["commit_s"])
 
     def save_now(self, steps_done: int, consumed: int, cfg: Config, grid: Grid) -> SaveResult:
         """Save the state after `steps_done` steps (between steps) and wait for its commit,
-        e.g. before the workers' stages are cut anew; one of that step already committed is
-        the result. Its error says when it failed."""
+        before the workers' stages are cut anew; one of that step already committed is the
+        result. Its error says when it failed."""
         self.finish()
         last = self.results[-1] if self.results else None
         if last is not None and last.step == steps_done and last.error is None and last.path is not None:
