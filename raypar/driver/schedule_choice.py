@@ -88,7 +88,9 @@ class ScheduleChooser:
         if self.predictions is None:
             self.budget = budget_bytes
             self.costs = report_costs(reports, self.grid, programs, self.schedule)
-            self.predictions = self._predict()
+            # Every schedule predicted from these costs, timed on one chunk per stage.
+            self.predictions = predict_cuts(self.microbatches, self.costs, Layout(self.grid.pp), self.layouts,
+                                            self.stage_flops)
             self._finals = [p.schedule for p in finalists(self.predictions, budget_bytes)]
             running = self.layout
             # Stable: within a cut, the fastest predicted first.
@@ -121,10 +123,6 @@ class ScheduleChooser:
             why += f"; not run: {', '.join(self.dropped)} ({next(iter(self.dropped.values()))})"
         self.schedule = chosen.schedule
         self._chosen(why)
-
-    def _predict(self) -> list[Prediction]:
-        """Every schedule predicted from the costs timed on one chunk per stage, fastest first."""
-        return predict_cuts(self.microbatches, self.costs, Layout(self.grid.pp), self.layouts, self.stage_flops)
 
     def table(self) -> str:
         chosen = next((p for p in self.predictions or [] if p.schedule == self.schedule), None)
