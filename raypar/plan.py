@@ -38,15 +38,15 @@ def config_costs(cfg: Config, layout: Layout | None = None) -> UnitCosts:
                                        cfg.parallel.layers_per_stage))
 
 
-def plan_layouts(cfg: Config) -> tuple[Layout, dict[str, Layout]]:
-    """The cut `cfg` builds, and the schedules `auto` would choose among on `cfg`'s grid, each
-    with its cut (a list of layers per stage describes one cut: only its schedules)."""
+def plan_layouts(cfg: Config) -> dict[str, Layout]:
+    """The schedules `auto` would choose among on `cfg`'s grid, each with its cut (a list of
+    layers per stage describes the cut `cfg` builds: only its schedules)."""
     p = cfg.parallel
+    every = candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
+    if not isinstance(p.layers_per_stage, list):
+        return every
     own = run_layout(p.schedule, p.pp, p.chunks)
-    if isinstance(p.layers_per_stage, list):
-        every = candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
-        return own, {name: layout for name, layout in every.items() if layout == own}
-    return own, candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
+    return {name: layout for name, layout in every.items() if layout == own}
 
 
 def run_costs(run_dir: str | Path, step: int | None = None) -> tuple[Config, UnitCosts, Layout]:
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
             costs = config_costs(cfg, measured_on)
         p = cfg.parallel
         budget = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb is not None else None
-        _, layouts = plan_layouts(cfg)
+        layouts = plan_layouts(cfg)
         flops = functools.partial(layout_flops, cfg.model, cfg.data.seq_len, layers_per_stage=p.layers_per_stage)
         predictions = predict_cuts(p.microbatches, costs, measured_on, layouts, flops)
         chosen, why = choose(predictions, budget)

@@ -150,9 +150,8 @@ class RunSchedule:
             self._build()
 
     def _build(self) -> None:
-        chunks = self.layout.n_chunks if self.schedule in CHUNKED_SCHEDULES else None
         self.programs = build_programs(self.schedule, self._grid.pp, self._cfg.parallel.microbatches,
-                                       release=self._cfg.runtime.release, chunks=chunks)
+                                       release=self._cfg.runtime.release, chunks=self.layout.n_chunks)
         self.prepared = prepare(self.programs, self.layout)
 
     def _candidates(self) -> tuple[dict[str, Layout], Callable[[Layout], list[float]]]:

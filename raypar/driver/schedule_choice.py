@@ -64,7 +64,7 @@ class ScheduleChooser:
     @property
     def layout(self) -> Layout:
         """How the schedule to run next cuts the model."""
-        return self.layouts.get(self.schedule, Layout(self.grid.pp))
+        return self.layouts[self.schedule]
 
     @property
     def choosing(self) -> bool:

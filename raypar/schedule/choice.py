@@ -116,9 +116,10 @@ def on_layout(costs: UnitCosts, flops_to: Sequence[float], layout_name: str) -> 
     """`costs` measured on one cut of the model, carried over to the stages of another cut
     (`flops_to`: each stage's FLOPs there, e.g. under a schedule's chunks per stage): each
     stage's F, I, W and activation bytes are the measured totals in proportion to its FLOPs
-    (the head's extra cost goes where the head goes). A stage's fixed bytes are bounded by the most any measured stage held (every cut
-    splits the same weights over as many stages; ZB-V's first stage holds the embedding and
-    the head, as much as one chunk's first and last stages together)."""
+    (the head's extra cost goes where the head goes). A stage's fixed bytes are bounded by
+    the most any measured stage held (every cut splits the same weights over as many
+    stages; ZB-V's first stage holds the embedding and the head, as much as one chunk's first
+    and last stages together)."""
     if len(flops_to) != costs.n_stages or min(flops_to) <= 0:
         raise ScheduleError(f"need the positive FLOPs of each of {costs.n_stages} stages, got {list(flops_to)}")
     shares = [f / sum(flops_to) for f in flops_to]
@@ -159,8 +160,7 @@ def predict_cuts(microbatches: int, costs: UnitCosts, measured_on: Layout, layou
     out = []
     for name, layout in layouts.items():
         on_cut = costs if layout == measured_on else on_layout(costs, stage_flops(layout), describe(layout))
-        chunks = layout.n_chunks if name in CHUNKED_SCHEDULES else None
-        out.append(predict(name, microbatches, on_cut, chunks=chunks))
+        out.append(predict(name, microbatches, on_cut, chunks=layout.n_chunks))
     return sorted(out, key=lambda p: p.step_s)
 
 
