@@ -28,6 +28,7 @@ from raypar.runtime.state import whole_slices
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
+from raypar.runtime.state_move import Manifest, MovePlan, exchange, manifest, stage_parameters
 from raypar.schedule import Action
 from raypar.topology import Grid
 
@@ -98,6 +99,8 @@ class StageWorker:
         self._raylet_pid = os.getppid()
         # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
         self._nccl_lock = threading.Lock()
+        # The state of the stage before `reset_holding_state`, on its device until `load_moved`.
+        self._move_held: dict[str, torch.Tensor] = {}
 
     def _shared_copies(self) -> SharedCopies | None:
         """Where this worker's copies in memory go when they should outlive its process
@@ -452,6 +455,49 @@ class StageWorker:
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 
+    def move_room(self, cfg: dict) -> tuple[int, int]:
+        """Before a move to `cfg`'s cut on the devices (`raypar.runtime.state_move`): the
+        bytes it needs free beside this worker's state (its new stage's state, estimated by its
+        parameters against its stage's now, and as much again received at most), and those free
+        (the device's, with what torch's cache holds unused; else the host's)."""
+        new = config_from_dict(cfg)
+        now, then = (stage_parameters(c, self.grid, self.rank) for c in (self.cfg, new))
+        need = 2 * self.runtime.state_bytes() * then // max(now, 1)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return need, free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return need, host_available_bytes()
+
+    def reset_holding_state(self, salvage: int) -> Manifest:
+        """`reset` for a move to another cut on the devices: the state's tensors stay where
+        they are, held beyond the stage, until `load_moved`. Returns what is held."""
+        held = self.runtime.held_state()
+        self.reset(salvage)
+        self._move_held = held
+        return manifest(held)
+
+    def state_names(self) -> list[str]:
+        """The tensors a load of this worker's stage reads."""
+        return sorted(self.runtime.state_names())
+
+    def load_moved(self, plan: MovePlan, held: list[Manifest]) -> dict:
+        """This worker's part of a move on the devices: send what others need of the state it
+        held, receive what it needs, and load it into its new stage (`state_move.exchange`)."""
+        t0 = time.perf_counter()
+        try:
+            tensors = exchange(plan, held, self.rank, self._move_held, self.device)
+            t1 = time.perf_counter()
+            pieces = FlatPieces(join_tp_pieces(whole_slices(tensors, self.runtime.global_shapes())))
+            self.runtime.load_checkpoint(pieces.read, pieces.names, same_grid=True, read_flat=pieces.read_flat)
+        finally:
+            self._move_held = {}
+            tensors = pieces = None
+        if self.device.type == "cuda":
+            # The held state's blocks would stay cached in sizes of the old cut's tensors; the
+            # new cut's steps allocate others.
+            torch.cuda.empty_cache()
+        return {"rank": self.rank, "exchange_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
     def reset(self, salvage: int) -> str:
         """Leave the process groups and drop the stage, keeping the process (and its CUDA
         context, imports and kernels) for the next plan's `setup`. Runs after the failed step
@@ -459,6 +505,7 @@ class StageWorker:
         import gc
 
         self._check_node()
+        self._move_held = {}  # a move's held state: gone with the stage it came from
         with self._salvage_lock:
             faulthandler.cancel_dump_traceback_later()
             self.failed = None

@@ -14,6 +14,7 @@ import torch
 
 from raypar.config import Config
 from raypar.resources import WorkerResources
+from raypar.runtime.state_move import Manifest, moved_bytes, plan_move
 from raypar.runtime.report import StepReport, Unit, complete_report, label_spans, late_spans, program_units
 from raypar.schedule import Action
 from raypar.topology import Grid
@@ -98,16 +99,37 @@ class WorkerGroup:
         self.setup(fresh=False, init_weights=init_weights)
         return counts
 
-    def rebuild(self, cfg: Config) -> None:
+    def rebuild(self, cfg: Config, hold_state: bool = False) -> list[Manifest] | None:
         """The same workers and grid with `cfg`'s cut of the model (its schedule's chunks per
         stage): each leaves its process groups and drops its stage (`reset`), then builds its
-        part of the new cut, not initialised (a checkpoint is loaded next)."""
-        self.get([w.reset.remote(self.reserve.salvages) for w in self.workers], self.cfg.runtime.step_timeout_s,
-                 "reset")
+        part of the new cut, not initialised (a checkpoint is loaded next, or with `hold_state`
+        the state each worker kept on its device: `move_state`, given what this returns)."""
+        timeout = self.cfg.runtime.step_timeout_s
+        salvage = self.reserve.salvages
+        held = self.get([w.reset_holding_state.remote(salvage) if hold_state else w.reset.remote(salvage)
+                         for w in self.workers], timeout, "reset")
         self.cfg = cfg
         self.program_version, self.programs, self._units = 0, [], []
         self.checkpoints.forget_shard_writes()
         self.setup(fresh=False, init_weights=False)
+        return held if hold_state else None
+
+    def move_room(self, cfg: Config) -> list[tuple[int, int]]:
+        """Per worker: the bytes a move to `cfg`'s cut on the devices needs free, and those free."""
+        return self.get([w.move_room.remote(cfg.to_dict()) for w in self.workers], self.cfg.runtime.step_timeout_s,
+                        "move_room")
+
+    def move_state(self, held: list[Manifest]) -> tuple[list[dict], tuple[int, int]]:
+        """After `rebuild(hold_state=True)`: every tensor each new stage needs goes to it from
+        a worker holding it (itself where it can), over the world's process group, and is
+        loaded. Returns per worker its times, and the bytes read in place and sent."""
+        names = self.get([w.state_names.remote() for w in self.workers], self.cfg.runtime.step_timeout_s,
+                         "state_names")
+        plan = plan_move(held, [set(n) for n in names])
+        # As long as a checkpoint's load: it moves as much, faster.
+        done = self.get([w.load_moved.remote(plan, held) for w in self.workers], self.cfg.checkpoint.timeout_s,
+                        "load_moved")
+        return done, moved_bytes(plan, held)
 
     # -- stepping --------------------------------------------------------------------------------
 

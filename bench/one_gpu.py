@@ -16,11 +16,12 @@
   loads the last committed checkpoint from storage.
 - A switch of schedule that moves the model to another cut (`Trainer.switch_schedule`): the
   whole 0.84B on one worker goes from one chunk (1F1B) to ZB-V's two chunks after step
-  MOVE_AT, through a checkpoint (`cut-move`), against the same run without (`cut-stay`): the
-  move's phases (checkpoint to commit, stages rebuilt, loaded), its wall time seen by the
-  loop, and the losses of the two runs side by side; `cut-zb-v` runs ZB-V from the start. The
-  move goes through the node's shared memory (one node); `cut-move-storage` makes it go
-  through the checkpoint directory, as where the workers span nodes.
+  MOVE_AT, on the device (`cut-move`: the state stays where it is while the stage is rebuilt),
+  against the same run without (`cut-stay`): the move's phases (saves in flight finished or
+  checkpoint to commit, stages rebuilt, loaded), its wall time seen by the loop, and the losses
+  of the runs side by side; `cut-zb-v` runs ZB-V from the start. `cut-move-shm` moves through
+  a checkpoint in the node's shared memory (`parallel.move_through=checkpoint`), and
+  `cut-move-storage` through the checkpoint directory, as where the workers span nodes.
 
     python -m bench.one_gpu --out DIR [--rounds 2] [--kinds dense,moe-kernels-on,...] [--cpu]
 
@@ -55,7 +56,8 @@ KINDS = {
     "recovery-borrowed-storage": ("gpt-1b.yaml", [*MEMORY, *RECOVERY, "elastic.memory_every=0"]),
     "cut-stay": ("gpt-1b.yaml", ON_ONE),
     "cut-move": ("gpt-1b.yaml", ON_ONE),
-    "cut-move-storage": ("gpt-1b.yaml", ON_ONE),
+    "cut-move-shm": ("gpt-1b.yaml", [*ON_ONE, "parallel.move_through=checkpoint"]),
+    "cut-move-storage": ("gpt-1b.yaml", [*ON_ONE, "parallel.move_through=checkpoint"]),
     "cut-zb-v": ("gpt-1b.yaml", [*ON_ONE, "parallel.schedule=zb-v"]),
 }
 # Ratios the table shows: (kind, against).
@@ -152,17 +154,21 @@ def table(results: list[dict]) -> str:
     moved = [r for r in results if r["kind"].startswith("cut-move") and r.get("moves")]
     stays = [r for r in results if r["kind"] == "cut-stay"]
     if moved:
-        lines += ["", "| launch | through | move s (loop waits) | checkpoint to commit s (copies off the device, "
-                  "write) | stages rebuilt s | loaded s | GiB | run wall s vs cut-stay | max loss diff vs cut-stay |",
+        lines += ["", "| launch | through | move s (loop waits) | saves finished, or checkpoint to commit s (copies "
+                  "off the device, write) | stages rebuilt s | loaded s (exchange, state load) | GiB | run wall s vs "
+                  "cut-stay | max loss diff vs cut-stay |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in moved:
             i = [x for x in results if x["kind"] == r["kind"]].index(r)  # its round
             m, stay = r["moves"][0], stays[i] if i < len(stays) else None
             diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], stay["losses"])) if stay else float("nan")
             wall = f"{r['wall_s']:.1f} vs {stay['wall_s']:.1f}" if stay else "-"
-            lines.append(f"| {r['kind']} {i} | {m.get('through', 'storage')} | {m['total_s']:.2f} | {m['save_s']:.2f} "
-                         f"({m.get('copy_wait_s', 0):.2f}, {m.get('write_s', 0):.2f}) | "
-                         f"{m['rebuild_s']:.2f} | {m['load_s']:.2f} | {m['bytes'] / 2**30:.1f} | {wall} | {diff:.2e} |")
+            saved = (f"{m['save_s']:.2f}" if m["through"] == "devices" else
+                     f"{m['save_s']:.2f} ({m['copy_wait_s']:.2f}, {m['write_s']:.2f})")
+            loaded = (f"{m['load_s']:.2f} ({m['exchange_s']:.2f}, {m['state_load_s']:.2f})" if m["through"] == "devices"
+                      else f"{m['load_s']:.2f}")
+            lines.append(f"| {r['kind']} {i} | {m['through']} | {m['total_s']:.2f} | {saved} | {m['rebuild_s']:.2f} | "
+                         f"{loaded} | {m['bytes'] / 2**30:.1f} | {wall} | {diff:.2e} |")
     killed = [r for r in results if "kill_to_step_s" in r]
     if killed:
         lines += ["", "| launch | kill to step s | detection s | survivors' teardown s | workers up s | state load s | "

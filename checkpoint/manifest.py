@@ -13,9 +13,12 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 from .storage import redact
 
@@ -45,6 +48,10 @@ class PieceEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+# What `write_shard` returns per piece: (tensor name, dtype name, where it was written).
+PieceResult = tuple[str, str, PieceEntry]
 
 
 @dataclass
@@ -154,10 +161,8 @@ def check_relative_path(file: str, where: str) -> None:
 
 def check_tensor_entry(entry: TensorEntry, where: str) -> None:
     ctx = f"checkpoint {where}: tensor {entry.name!r}"
-    try:
-        dtype_from_name(entry.dtype)
-    except CheckpointError as e:
-        raise CheckpointError(f"{ctx}: {e}") from None
+    if entry.dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{ctx}: unknown dtype {entry.dtype!r}")
     if any(d < 0 for d in entry.shape):
         raise CheckpointError(f"{ctx}: negative dimension in shape {entry.shape}")
     if not entry.pieces:
@@ -209,11 +214,12 @@ def boxes_overlap(
     )
 
 
-# safetensors' names of the dtypes a checkpoint may hold.
+# safetensors' names of the dtypes a checkpoint may hold, by torch's (`dtype_name`). Names,
+# not torch dtypes: the writer actor that commits checkpoints runs without torch.
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -222,6 +228,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r}")
@@ -234,8 +242,55 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     safetensors stores little-endian data; on a little-endian host (every platform
     raypar runs on) that is the in-memory layout, so no copy is needed.
     """
+    import torch
+
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"crc32:{zlib.crc32(raw) & 0xFFFFFFFF:08x}"
+
+
+def merge_entries(
+    results: Iterable[PieceResult | Iterable[PieceResult]],
+    shapes: Mapping[str, Sequence[int]],
+) -> dict[str, TensorEntry]:
+    """Assemble the manifest's tensor table from every writer's ``write_shard`` results.
+
+    ``results`` may be flat (name, dtype, PieceEntry) triples or one list of them per
+    worker. ``shapes`` gives each tensor's global shape. Raises CheckpointError when two
+    writers saved overlapping elements, dtypes disagree, or a tensor is not fully covered.
+    """
+    by_name: dict[str, list[PieceEntry]] = {}
+    dtypes: dict[str, str] = {}
+    for name, dtype, piece in _flatten(results):
+        if dtypes.setdefault(name, dtype) != dtype:
+            raise CheckpointError(
+                f"tensor {name!r}: writers disagree on dtype ({dtypes[name]} vs {dtype} in {piece.file})"
+            )
+        by_name.setdefault(name, []).append(piece)
+    unknown = sorted(set(by_name) - set(shapes))
+    if unknown:
+        raise CheckpointError(f"no global shape given for tensors {unknown[:5]}")
+    unwritten = sorted(set(shapes) - set(by_name))
+    if unwritten:
+        raise CheckpointError(f"no writer saved tensors {unwritten[:5]}")
+    table: dict[str, TensorEntry] = {}
+    for name in sorted(by_name):
+        entry = TensorEntry(
+            name=name,
+            dtype=dtypes[name],
+            shape=tuple(int(d) for d in shapes[name]),
+            pieces=sorted(by_name[name], key=lambda p: (p.offsets, p.file)),
+        )
+        check_tensor_entry(entry, where="being saved")
+        table[name] = entry
+    return table
+
+
+def _flatten(results: Iterable) -> Iterable[PieceResult]:
+    for item in results:
+        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[2], PieceEntry):
+            yield item
+        else:
+            yield from item
 
 
 def _tensor_to_doc(entry: TensorEntry) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from safetensors import safe_open
 
 from . import storage, store
 from .pieces import read_flat_from_boxes
-from .manifest import SAFETENSORS_DTYPES, CheckpointError, Manifest, PieceEntry, TensorEntry, tensor_checksum
+from .manifest import (SAFETENSORS_DTYPES, CheckpointError, Manifest, PieceEntry, TensorEntry, dtype_from_name,
+                       tensor_checksum)
 from .storage import Location
 
 
@@ -198,7 +199,7 @@ class CheckpointReader:
         return handle
 
 
-_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_DTYPES = {code: dtype_from_name(name) for name, code in SAFETENSORS_DTYPES.items()}
 
 
 class _RemoteShard:

@@ -1,7 +1,7 @@
-"""Writing one worker's pieces to a shard file, and assembling the manifest's tensor table.
+"""Writing one worker's pieces to a shard file.
 
 Each worker calls ``write_shard`` for the pieces it owns and sends the returned entries to
-the coordinator, which calls ``merge_entries`` on all of them and then ``store.commit``.
+the coordinator, which calls ``manifest.merge_entries`` on all of them and then ``store.commit``.
 
 A shard is written in the safetensors format straight from the tensors' memory (pinned
 host snapshots, on a worker): the header, then each tensor's bytes in large writes,
@@ -24,16 +24,14 @@ from .manifest import (
     CheckpointError,
     SAFETENSORS_DTYPES,
     PieceEntry,
-    TensorEntry,
+    PieceResult,
     check_relative_path,
-    check_tensor_entry,
     dtype_name,
     tensor_checksum,
 )
 from .storage import Location
 
 PieceSpec = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
-PieceResult = tuple[str, str, PieceEntry]
 
 _WRITE_CHUNK = 64 << 20  # one write call's bytes (Linux writes at most ~2 GiB per call)
 CHECKSUM_THREADS = 4
@@ -73,9 +71,9 @@ def write_shard(ckpt_dir: Location, file: str, pieces: list[PieceSpec]) -> list[
         key = piece_key(name, offsets)
         if key in tensors:
             raise CheckpointError(f"piece of {name!r} at offsets {offsets} given twice for {file}")
-        if local.dtype not in SAFETENSORS_DTYPES:
+        if dtype_name(local.dtype) not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"piece of {name!r} for {file}: dtype {local.dtype} cannot be saved "
-                                  f"(one of {', '.join(dtype_name(d) for d in SAFETENSORS_DTYPES)} can)")
+                                  f"(one of {', '.join(SAFETENSORS_DTYPES)} can)")
         tensors[key] = local
         entries.append((name, offsets, local))
     header = _header(tensors, {"format": "pt", "producer": "raypar.checkpoint"})
@@ -96,7 +94,7 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> by
     offset = 0
     for key, t in tensors.items():
         size = t.numel() * t.element_size()
-        doc[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        doc[key] = {"dtype": SAFETENSORS_DTYPES[dtype_name(t.dtype)], "shape": list(t.shape),
                     "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(doc, separators=(",", ":")).encode()
@@ -111,48 +109,3 @@ def _write_safetensors(f: BinaryIO, header: bytes, tensors: Iterable[torch.Tenso
             chunk = raw[start:start + _WRITE_CHUNK]
             while chunk:
                 chunk = chunk[f.write(chunk):]
-
-
-def merge_entries(
-    results: Iterable[PieceResult | Iterable[PieceResult]],
-    shapes: Mapping[str, Sequence[int]],
-) -> dict[str, TensorEntry]:
-    """Assemble the manifest's tensor table from every writer's ``write_shard`` results.
-
-    ``results`` may be flat (name, dtype, PieceEntry) triples or one list of them per
-    worker. ``shapes`` gives each tensor's global shape. Raises CheckpointError when two
-    writers saved overlapping elements, dtypes disagree, or a tensor is not fully covered.
-    """
-    by_name: dict[str, list[PieceEntry]] = {}
-    dtypes: dict[str, str] = {}
-    for name, dtype, piece in _flatten(results):
-        if dtypes.setdefault(name, dtype) != dtype:
-            raise CheckpointError(
-                f"tensor {name!r}: writers disagree on dtype ({dtypes[name]} vs {dtype} in {piece.file})"
-            )
-        by_name.setdefault(name, []).append(piece)
-    unknown = sorted(set(by_name) - set(shapes))
-    if unknown:
-        raise CheckpointError(f"no global shape given for tensors {unknown[:5]}")
-    unwritten = sorted(set(shapes) - set(by_name))
-    if unwritten:
-        raise CheckpointError(f"no writer saved tensors {unwritten[:5]}")
-    table: dict[str, TensorEntry] = {}
-    for name in sorted(by_name):
-        entry = TensorEntry(
-            name=name,
-            dtype=dtypes[name],
-            shape=tuple(int(d) for d in shapes[name]),
-            pieces=sorted(by_name[name], key=lambda p: (p.offsets, p.file)),
-        )
-        check_tensor_entry(entry, where="being saved")
-        table[name] = entry
-    return table
-
-
-def _flatten(results: Iterable) -> Iterable[PieceResult]:
-    for item in results:
-        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[2], PieceEntry):
-            yield item
-        else:
-            yield from item

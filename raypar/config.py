@@ -89,14 +89,19 @@ class ParallelConfig:
     # auto: the first two steps on each grid time F, I and W (with zb-h1), the schedules the
     # simulator predicts within 5% of the fastest that fits memory_budget_gb run two steps
     # each, and the fastest measured runs on; one of several chunks per stage runs on its own
-    # cut of the model, the workers moved there through a checkpoint (removed once loaded with
-    # checkpoint.every=0). Several model chunks per stage (`chunks`):
+    # cut of the model, the workers moved there (`move_through`). Several model chunks per stage (`chunks`):
     # interleaved-1f1b (chunks in a loop; microbatches a multiple of pp), zb-v (2 chunks in a
     # V, split backward, at most 1F1B's peak activations) and zb-v-half (about half of it)
     schedule: Literal["fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v-half", "auto"] = "1f1b"
     # Model chunks per stage: None, the schedule's own (2 for interleaved-1f1b, zb-v and
     # zb-v-half, 1 for the others); interleaved-1f1b takes any count >= 2 (also as auto's candidate)
     chunks: int | None = None
+    # How the workers move to another cut of the model (a schedule with other chunks per stage,
+    # auto's or switch_schedule's): "devices" keeps each worker's state on its device while
+    # the stages are rebuilt and sends each tensor to the worker that now needs it (where
+    # every device has room for its state twice, else through a checkpoint); "checkpoint"
+    # always saves it (in shared memory on one node, else the checkpoint directory) and loads it
+    move_through: Literal["devices", "checkpoint"] = "devices"
     # Device memory a stage may hold, for schedule=auto; None: 90% of the device's (no limit on CPU)
     memory_budget_gb: float | None = None
     microbatches: int = 1  # per data-parallel replica and step

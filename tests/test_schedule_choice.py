@@ -173,10 +173,9 @@ def test_auto_times_tries_and_chooses_with_the_losses_of_a_fixed_schedule(auto_r
 
 def test_auto_moves_the_model_to_other_cuts_without_changing_a_loss(auto_runs, monkeypatch) -> None:
     """With every schedule a finalist, auto runs them all: the workers move to ZB-V's and
-    interleaved 1F1B's cuts through checkpoints (and to the chosen one's), and every loss is
-    a fixed 1F1B run's, dropout on (its masks follow the samples, not the cut). A move
-    through storage, whose checkpoint is removed with checkpoint.every=0:
-    tests/test_schedule_switch.py."""
+    interleaved 1F1B's cuts on their devices (and to the chosen one's), and every loss is a
+    fixed 1F1B run's, dropout on (its masks follow the samples, not the cut). Moves through
+    a checkpoint: tests/test_schedule_switch.py."""
     monkeypatch.setattr("raypar.schedule.choice.MEASURE_WITHIN", 100.0)
     auto, run_dir = auto_runs("auto-every-schedule", "auto")
     fixed, _ = auto_runs("1f1b", "1f1b")
@@ -192,8 +191,8 @@ def test_auto_moves_the_model_to_other_cuts_without_changing_a_loss(auto_runs, m
     assert moves[:2] == [(v, 8), (loop, 12)], moves
     chosen_cut = choice["layouts"][choice["schedule"]]
     assert moves[2:] == ([] if chosen_cut == loop else [(chosen_cut, 14)])
-    # Every move went through a checkpoint in shared memory (one node), not one of the run's.
-    assert {m["through"] for m in choice["moves"]} == {"shared memory"} and auto.checkpoints == []
+    # Every move kept the state on the workers: no checkpoint written.
+    assert {m["through"] for m in choice["moves"]} == {"devices"} and auto.checkpoints == []
     assert not list((run_dir.parent / "ckpt").glob("step-*"))
 
 

@@ -31,24 +31,26 @@ from raypar.checkpoint.storage import Location, redact
 from raypar.config import Config
 from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
 from raypar.driver.callbacks import Callback
+from raypar.driver.cut_move import move_on_devices, move_through_checkpoint, room_on_devices
 from raypar.driver.event_log import EventLog
 from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, plan_grid, with_plan, worker_slots
 from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
-from raypar.driver.saver import Resumed, Saver, SaveResult
+from raypar.driver.saver import Resumed, Saver
 from raypar.driver.run_schedule import RunSchedule
 from raypar.driver.states import State, StateMachine
 from raypar.metrics import peak_flops_per_device
 from raypar.model import flops_per_token
 from raypar.model.tensor_parallel import fallbacks
 from raypar.resources import ResourceError, plan_resources
+from raypar.runtime.state_move import MoveFailed
 from raypar.schedule import CHUNKED_SCHEDULES, Layout
 from raypar.schedule.choice import describe
 from raypar.topology import Grid, cells_across_nodes
 
 # A lost worker or node, or a collective that hung: what the controller recovers from.
 WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError,
-                   StepTimeout, WorkersLost)
+                   StepTimeout, WorkersLost, MoveFailed)
 
 # status.json is rewritten at most this often while steps run (and when the run ends).
 STATUS_EVERY_S = 1.0
@@ -493,67 +495,35 @@ class Controller:
 
     def _move_to(self, schedule: str, layout: Layout, steps_done: int, consumed: int) -> str | None:
         """Move the workers to `layout` (how `schedule` cuts the model) after `steps_done`
-        steps: the state goes to a checkpoint, the same workers build their stages of the new
-        cut, and load it; the move goes to `moves`. The checkpoint is written to the node's
-        shared memory where every worker runs on one node with room there
-        (`raypar.runtime.scratch`), else to the run's checkpoint directory (removed once loaded
-        with checkpoint.every=0). Returns why not, when it failed (the cut is unchanged)."""
-        from raypar.checkpoint import checkpoint_dir
-
-        t0 = time.perf_counter()
-        root = str(self.saver.root)
-        scratch = self.group.checkpoints.make_scratch(root, sum(i["state_bytes"] for i in self.group.info))
-        if scratch is not None:
-            saved = self.saver.save_scratch(steps_done, consumed, self.cfg, self.grid, scratch)
-            if saved.error is not None:
-                self.group.checkpoints.remove_scratch(root, scratch)
-                self._check_alive(saved, steps_done, layout)
-                self.log(f"raypar: the move's checkpoint in shared memory failed ({saved.error[:200]}); saving it to "
-                         f"the checkpoint directory instead")
-                scratch = None
-        if scratch is None:
-            saved = self.saver.save_now(steps_done, consumed, self.cfg, self.grid)
-            if saved.error is not None:
-                self._check_alive(saved, steps_done, layout)
-                return f"the checkpoint that moves the model to its cut failed ({saved.error[:200]})"
-        t1 = time.perf_counter()
+        steps, on their devices where they have room (and parallel.move_through allows), else
+        through a checkpoint (`raypar.driver.cut_move`); the move goes to `moves`. Returns why
+        not, when it failed before the stages were cut anew (the cut is unchanged)."""
         chunks = layout.n_chunks if schedule in CHUNKED_SCHEDULES else None
-        self.group.rebuild(replace(self.cfg, parallel=replace(self.cfg.parallel, schedule=schedule, chunks=chunks)))
-        t2 = time.perf_counter()
-        if scratch is not None:
-            # Read where it was written: the workers' node, which the driver may not be on.
-            self.group.checkpoints.load(saved.path, same_grid=True)
-            self.group.checkpoints.remove_scratch(root, scratch)
+        new_cfg = replace(self.cfg, parallel=replace(self.cfg.parallel, schedule=schedule, chunks=chunks))
+        why_not = ("parallel.move_through is checkpoint" if self.cfg.parallel.move_through == "checkpoint"
+                   else room_on_devices(self.group, new_cfg))
+        if why_not is None:
+            move = move_on_devices(self.group, self.saver, new_cfg)
         else:
-            resumed = self.saver.resume(checkpoint_dir(self.saver.root, steps_done), self.cfg, self.grid)
-            if (resumed.step, resumed.consumed_samples) != (steps_done, consumed):
-                raise RuntimeError(f"moving to {schedule}'s cut loaded step {resumed.step} "
-                                   f"({resumed.consumed_samples} samples), not {steps_done} ({consumed})")
-            if self.cfg.checkpoint.every <= 0:
-                self.saver.discard(saved)  # the run keeps no checkpoints: this one only moved the state
+            if self.cfg.parallel.move_through != "checkpoint":
+                self.log(f"raypar: moving the model through a checkpoint: {why_not}")
+            move = move_through_checkpoint(self.group, self.saver, self.cfg, new_cfg, self.grid, layout, steps_done,
+                                           consumed, self.log)
+            if isinstance(move, str):
+                return move
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
             # The copies held were of the other cut: from now on, this one's.
             self.group.memory.clear()
             self._memory_steps = {}
             self.group.memory.set_peers()
-        move = {"schedule": schedule, "cut": describe(layout), "step": steps_done,
-                "through": "shared memory" if scratch is not None else "storage", "save_s": t1 - t0,
-                "rebuild_s": t2 - t1, "load_s": time.perf_counter() - t2, "bytes": saved.bytes,
-                # Of save_s, the slowest worker's: waiting for its snapshot's copies off the device, writing.
-                "copy_wait_s": saved.copy_wait_s, "write_s": saved.write_s}
+        move = {"schedule": schedule, "cut": describe(layout), "step": steps_done, **move}
         move["total_s"] = move["save_s"] + move["rebuild_s"] + move["load_s"]
         self.run_schedule.moves.append(move)
+        first = "saves in flight finished" if move["through"] == "devices" else "checkpoint"
         self.log(f"raypar: moved the model to {describe(layout)} for {schedule} at step {steps_done} through "
-                 f"{move['through']} in {move['total_s']:.1f}s: checkpoint {move['save_s']:.1f}s "
-                 f"({saved.bytes / 2**30:.2f} GiB), stages rebuilt {move['rebuild_s']:.1f}s, "
-                 f"loaded {move['load_s']:.1f}s")
+                 f"{move['through']} in {move['total_s']:.1f}s: {first} {move['save_s']:.1f}s, stages rebuilt "
+                 f"{move['rebuild_s']:.1f}s, state loaded {move['load_s']:.1f}s ({move['bytes'] / 2**30:.2f} GiB)")
         return None
-
-    def _check_alive(self, saved: SaveResult, steps_done: int, layout: Layout) -> None:
-        """A move's save failed: a lost worker is a failure to recover from, not a cut to give up."""
-        if not self.group.all_alive():
-            raise WorkersLost(f"a stage worker was lost while saving step {steps_done} to move the model to "
-                              f"{describe(layout)}: {saved.error[:200]}")
 
     def _memory_budget(self) -> int | None:
         """Bytes a stage may hold: parallel.memory_budget_gb, else DEVICE_MEMORY_SHARE of the

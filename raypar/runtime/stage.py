@@ -756,6 +756,13 @@ class StageRuntime:
                      send)
         return time.perf_counter() - t0
 
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """All this worker holds (what `keep_recent` copies) and its RNG, as the live tensors:
+        what a move to another cut keeps on the device (`raypar.runtime.state_move`)."""
+        self.optimizer.settle_ema()
+        tensors = state_tensors(self.model, self.optimizer, None, self.rank, self.device, with_rng=False)
+        return {**tp_named(tensors, self.optimizer.tp_slices), **rng_states(self.rank, self.device)}
+
     def memory_layout(self):
         """Shape and dtype of what `keep_recent` copies (RNG states aside)."""
         return tp_named(state_layout(self.optimizer, None), self.optimizer.tp_slices)
