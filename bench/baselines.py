@@ -54,7 +54,7 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "process (loop or V placement). Peak memory vs raypar 1f1b: the fullest stage's device peak (on CPU its "
          "activations') over 1F1B's. "
          "raypar auto: parallel.schedule=auto (its first two steps time zb-h1, the finalists run two steps each, on "
-         "their own cut of the model: moved there through a checkpoint); its tokens/s over the whole run (the first "
+         "their own cut of the model, the workers moved there); its tokens/s over the whole run (the first "
          "step left out, as every row's), and its steps after the choice's first against the fastest schedule "
          "measured here.")
 

@@ -7,7 +7,7 @@ peaks), the same figures `parallel.schedule: auto` chooses from while it trains.
 Schedules of several model chunks per stage (interleaved-1f1b, zb-v, zb-v-half) cut the model
 otherwise (ZB-V puts the head on stage 0 beside the embedding): the costs of one cut are
 carried over to theirs by FLOPs, as `auto` does, which moves the workers to the cut it
-chooses through a checkpoint. The candidates are `auto`'s (`candidate_layouts`).
+chooses. The candidates are `auto`'s (`candidate_layouts`).
 """
 from __future__ import annotations
 

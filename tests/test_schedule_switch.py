@@ -40,23 +40,22 @@ def runs(ray_session, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("through", ["devices", "shared memory", "storage"])
+@pytest.mark.parametrize("through", ["shared memory", "storage"])
 def test_switching_cuts_mid_run_keeps_every_loss(runs, monkeypatch, through) -> None:
     """1F1B, then ZB-V (two chunks in a V) after step 2, then interleaved 1F1B with two chunks
-    in a loop after step 5: each switch moves the workers once, and every loss is the fixed
-    1F1B run's. With the runtime sending a step ahead, the switch waits for the one in flight.
-    On the devices, the state stays in the workers and half the layers go from one to the
-    other. Through a checkpoint of its step in shared memory (one node here) the move's
-    checkpoint is not one of the run's (checkpoint.every=3 saves its own); through storage
-    (as with no room in shared memory) with checkpoint.every=0 it is removed once loaded."""
+    in a loop after step 5, through a checkpoint (parallel.move_through=checkpoint): each
+    switch moves the workers once, and every loss is the fixed 1F1B run's. With the runtime
+    sending a step ahead, the switch waits for the one in flight. Through a checkpoint of its
+    step in shared memory (one node here) the move's checkpoint is not one of the run's
+    (checkpoint.every=3 saves its own); through storage (as with no room in shared memory)
+    with checkpoint.every=0 it is removed once loaded. On the devices: below."""
     if through == "storage":
         monkeypatch.setattr("raypar.actors.checkpoints.WorkerCheckpoints.make_scratch", lambda self, root, n: None)
     fixed, _ = runs("fixed", checkpoint={"every": 3})
     every = 0 if through == "storage" else 3
-    move_through = "devices" if through == "devices" else "checkpoint"
     switched, run_dir = runs(f"switched-{through.split()[0]}", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})],
                              checkpoint={"every": every}, runtime={"steps_ahead": 1},
-                             parallel={"move_through": move_through})
+                             parallel={"move_through": "checkpoint"})
     assert [r.loss for r in switched.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
     schedules = [r.schedule for r in switched.records]
     # The step after the switch's was already sent (steps_ahead=1): the switch comes after it.
@@ -64,9 +63,6 @@ def test_switching_cuts_mid_run_keeps_every_loss(runs, monkeypatch, through) -> 
     assert [(m["schedule"], m["cut"], m["step"], m["through"]) for m in switched.moves] == [
         ("zb-v", "2 chunks per stage in a V", 4, through), ("interleaved-1f1b", "2 chunks per stage in a loop", 7, through)]
     assert all(m["total_s"] == pytest.approx(m["save_s"] + m["rebuild_s"] + m["load_s"]) for m in switched.moves)
-    if through == "devices":
-        # 1F1B's stages hold layers 0-1 and 2-3 (and the head); the V's, 0 and 3, 1 and 2.
-        assert all(0 < m["sent_bytes"] < m["bytes"] for m in switched.moves), switched.moves
     saves = [(c["step"], c["path"] is not None, c["error"]) for c in switched.checkpoints]
     assert saves == ([(3, True, None), (6, True, None), (9, True, None)] if every else
                      [(4, False, None), (7, False, None)])  # the moves', gone once loaded
@@ -82,9 +78,10 @@ def test_switching_cuts_mid_run_keeps_every_loss(runs, monkeypatch, through) -> 
     ((1, 2, 1), {"tp": 2}, {}),
 ], ids=["dp2-sharded-ema", "tp2-moe"])
 def test_moving_on_devices_keeps_every_loss_and_weight(runs, grid, parallel, checkpoint) -> None:
-    """On the devices with replicas, optimizer shares and an EMA (dp=2), and with tp slices
-    of a MoE model (tp=2): the losses and the final checkpoint's weights, masters, moments
-    and EMA are the fixed run's."""
+    """The same switches on the devices (the default): the state stays in the workers and the
+    layers that change worker go point to point. With replicas, optimizer shares and an EMA
+    (dp=2), and with tp slices of a MoE model (tp=2): the losses and the final checkpoint's
+    weights, masters, moments and EMA are the fixed 1F1B run's."""
     import torch
 
     from raypar.checkpoint import CheckpointReader, checkpoint_dir
@@ -93,9 +90,11 @@ def test_moving_on_devices_keeps_every_loss_and_weight(runs, grid, parallel, che
     sections = {"parallel": parallel, "checkpoint": {"every": 9, **checkpoint}}
     name = "-".join(map(str, grid))
     fixed, fixed_dir = runs(f"fixed-{name}", grid=grid, model={"dropout": 0.1, **model}, **sections)
-    moved, moved_dir = runs(f"moved-{name}", [SwitchAt({2: ("zb-v",), 5: ("1f1b",)})], grid=grid,
+    moved, moved_dir = runs(f"moved-{name}", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})], grid=grid,
                             model={"dropout": 0.1, **model}, **sections)
-    assert [m["through"] for m in moved.moves] == ["devices", "devices"]
+    assert [(m["through"], m["step"]) for m in moved.moves] == [("devices", 4), ("devices", 7)]
+    # 1F1B's stages hold layers 0-1 and 2-3 (and the head); the V's 0 and 3, 1 and 2; the loop's 0 and 2, 1 and 3.
+    assert all(0 < m["sent_bytes"] < m["bytes"] for m in moved.moves), moved.moves
     assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
     with CheckpointReader(checkpoint_dir(fixed_dir / "ckpt", 9)) as a, \
             CheckpointReader(checkpoint_dir(moved_dir / "ckpt", 9)) as b:

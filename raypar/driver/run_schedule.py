@@ -3,7 +3,7 @@
 A fixed `parallel.schedule` runs as configured until `request` asks for another
 (`Trainer.switch_schedule`); `auto` follows its chooser (`raypar.driver.schedule_choice`).
 Either may need the workers on another cut of the model (a schedule of other chunks per
-stage): `apply` then asks the controller to move them, through a checkpoint, and goes on
+stage): `apply` then asks the controller to move them (`raypar.driver.cut_move`), and goes on
 with what could be done. The controller sends the workers its programs after each change.
 """
 from __future__ import annotations

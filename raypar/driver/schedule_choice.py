@@ -14,8 +14,8 @@ The states, one step at a time (no step is sent ahead while choosing):
 3. CHOSEN: the fastest measured finalist (or the one finalist) runs from the next step on.
 
 Every step of the choice is a real training step: nothing is run twice or thrown away.
-The controller moves the workers to another cut (`layout`) through a checkpoint; when it
-cannot (`unavailable`), the schedules of that cut drop out of the choice.
+The controller moves the workers to another cut (`layout`: `raypar.driver.cut_move`); when
+it cannot (`unavailable`), the schedules of that cut drop out of the choice.
 """
 from __future__ import annotations
 

@@ -57,8 +57,9 @@ class Trainer:
         """Run `schedule` (`chunks` model chunks per stage, for interleaved-1f1b) from the
         first step not yet sent to the workers (from a callback: after the steps in flight),
         for the rest of the run. A schedule that cuts the model otherwise (its chunks per
-        stage) moves the workers to its cut through a checkpoint of that step (removed once
-        loaded when checkpoint.every=0); the losses go on unchanged. Raises ConfigError at
+        stage) moves the workers to its cut, their state kept on their devices where they
+        have room, else through a checkpoint of that step (`parallel.move_through`); the
+        losses go on unchanged. Raises ConfigError at
         once for a schedule that cannot run on this grid, or with parallel.schedule=auto."""
         self._controller.switch_schedule(schedule, chunks)
 
