@@ -170,6 +170,44 @@ def test_a_worker_lost_on_another_cut_recovers_from_memory(ray_session, tmp_path
     assert_auto_chose_on_each_grid_run(summary, event["resumed_step"])
 
 
+def test_a_worker_lost_while_the_model_moves_on_the_devices_recovers(ray_session, tmp_path, data, uninterrupted,
+                                                                     monkeypatch):
+    """A switch to ZB-V after step 2 moves the workers on their devices; a worker is killed once
+    the others hold their state beside their new, empty stages: the move fails (`MoveFailed`),
+    and the recovery restores every rank from the states kept in memory, with the
+    uninterrupted run's losses."""
+    from raypar.actors.worker_group import WorkerGroup
+
+    move_state = WorkerGroup.move_state
+
+    def killed_first(group, held):
+        worker = group.workers[1]
+        ray.kill(worker)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ray.kill does not wait
+            try:
+                ray.get(worker.address.remote(), timeout=5)
+                time.sleep(0.05)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+        return move_state(group, held)
+
+    monkeypatch.setattr(WorkerGroup, "move_state", killed_first)
+
+    class SwitchAfter2(Callback):
+        def on_step_end(self, trainer, record):
+            if record.step == 2:
+                trainer.switch_schedule("zb-v")
+
+    reference = uninterrupted((1, 2, 1), None)
+    summary = Trainer(elastic_config(tmp_path, "moving", (1, 2, 1), memory_every=1),
+                      callbacks=[SwitchAfter2()]).fit()
+    (event,) = summary.recoveries
+    assert (event["source"], event["error"]) == ("memory", "MoveFailed"), event
+    got, want = last_loss_per_step(summary), last_loss_per_step(reference)
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+
+
 def test_recovery_before_any_checkpoint_starts_over_initialised(ray_session, tmp_path, data, uninterrupted):
     """No checkpoint and no state in memory to go back to: the kept and the new workers build initialised stages
     (a recovery with a checkpoint skips that, since the load fills them) and the run starts
