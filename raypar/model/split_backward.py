@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar.model.backward import backward_from
+
 # Weight gradients waiting for W, by key: (weight, what computes its gradient, the tensors
 # that holds: the layer's input and output gradient). A module global, not thread-local: on
 # a GPU, autograd runs backward on its own device threads.
@@ -122,7 +124,7 @@ def compute_weight_grads(key: Hashable) -> int:
         # Through autograd's accumulation into the leaf (a view's backward is the identity):
         # parameter hooks run as they do for a whole backward.
         with torch.enable_grad():
-            torch.autograd.backward(weight.view_as(weight), grad_w)
+            backward_from(weight.view_as(weight), grad_w)
     return len(work)
 
 

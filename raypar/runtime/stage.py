@@ -27,6 +27,7 @@ from raypar.data import TokenDataset
 from raypar.data.prefetch import Prefetcher
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
+from raypar.model.backward import backward_from
 from raypar.model.moe import MoE
 from raypar.model.tensor_parallel import TensorParallel, gather_whole, slice_whole, tp_slices
 from raypar.model.split_backward import (compute_weight_grads, drop_weight_grads, pending_tensors, set_split_backward,
@@ -612,17 +613,17 @@ class StageRuntime:
         if action.op == Op.B:
             self._whole_backward(out, grad)
         else:
-            torch.autograd.backward(out, grad)
+            backward_from(out, grad)
         self.tracker.backward_done(key)
 
     def _whole_backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
         """B: with MoE exchanges to overlap, each layer's weight gradients run while the next
         exchange travels (`runtime.moe_backward_overlap`), the last ones after backward."""
         if not self._overlaps_exchanges:
-            torch.autograd.backward(out, grad)
+            backward_from(out, grad)
             return
         with weight_grads_deferred(_OVERLAPPED, overlap=True):
-            torch.autograd.backward(out, grad)
+            backward_from(out, grad)
         compute_weight_grads(_OVERLAPPED)
 
     def _after_backward(self, state: "_StepState", action: Action) -> None:
