@@ -408,12 +408,15 @@ class StageWorker:
         for names, refs in sources:
             if needed.intersection(names):
                 tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
-        # A sharded optimizer's shares come in flat pieces (of tp slices: put together into
-        # the slices first); tp slices are joined whole (each worker then takes its own slice,
-        # on any tp).
+        self._load_held(tensors, same_grid)
+        return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
+
+    def _load_held(self, tensors: dict[str, torch.Tensor], same_grid: bool) -> None:
+        """Load this worker's stage from tensors keyed as in the copies in memory. A sharded
+        optimizer's shares come in flat pieces (of tp slices: put together into the slices
+        first); tp slices are joined whole (each worker then takes its own slice, on any tp)."""
         held = FlatPieces(join_tp_pieces(whole_slices(tensors, self.runtime.global_shapes())))
         self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
-        return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
 
     def clear_memory(self, drop: bool = False) -> None:
         """Forget the states held (`drop`: the run is over, and its files in shared memory go)."""
@@ -487,11 +490,10 @@ class StageWorker:
         try:
             tensors = exchange(plan, held, self.rank, self._move_held, self.device)
             t1 = time.perf_counter()
-            pieces = FlatPieces(join_tp_pieces(whole_slices(tensors, self.runtime.global_shapes())))
-            self.runtime.load_checkpoint(pieces.read, pieces.names, same_grid=True, read_flat=pieces.read_flat)
+            self._load_held(tensors, same_grid=True)
         finally:
             self._move_held = {}
-            tensors = pieces = None
+            tensors = None
         if self.device.type == "cuda":
             # The held state's blocks would stay cached in sizes of the old cut's tensors; the
             # new cut's steps allocate others.
