@@ -493,7 +493,7 @@ class StageWorker:
             self._load_held(tensors, same_grid=True)
         finally:
             self._move_held = {}
-            tensors = None
+            tensors = None  # what was received goes before the cache is emptied
         if self.device.type == "cuda":
             # The held state's blocks would stay cached in sizes of the old cut's tensors; the
             # new cut's steps allocate others.

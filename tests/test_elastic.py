@@ -59,13 +59,19 @@ class KillWorkerAndWait(KillWorker):
     def on_step_end(self, trainer, record):
         worker = trainer.group.workers[self.rank] if record.step == self.at and self.killed_at is None else None
         super().on_step_end(trainer, record)
-        deadline = time.monotonic() + 30
-        while worker is not None and time.monotonic() < deadline:
-            try:
-                ray.get(worker.address.remote(), timeout=5)
-                time.sleep(0.05)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return
+        if worker is not None:
+            wait_gone(worker)
+
+
+def wait_gone(worker, timeout_s: float = 30.0) -> None:
+    """Return once a killed actor no longer answers (`ray.kill` does not wait), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.address.remote(), timeout=5)
+            time.sleep(0.05)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
 
 
 class KillAndWatchActors(KillWorker):
@@ -181,15 +187,8 @@ def test_a_worker_lost_while_the_model_moves_on_the_devices_recovers(ray_session
     move_state = WorkerGroup.move_state
 
     def killed_first(group, held):
-        worker = group.workers[1]
-        ray.kill(worker)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # ray.kill does not wait
-            try:
-                ray.get(worker.address.remote(), timeout=5)
-                time.sleep(0.05)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                break
+        ray.kill(group.workers[1])
+        wait_gone(group.workers[1])
         return move_state(group, held)
 
     monkeypatch.setattr(WorkerGroup, "move_state", killed_first)

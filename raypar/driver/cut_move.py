@@ -22,6 +22,7 @@ from raypar.schedule import Layout
 from raypar.schedule.choice import describe
 from raypar.topology import Grid
 
+
 def room_on_devices(group: WorkerGroup, new_cfg: Config) -> str | None:
     """Why the workers cannot move to `new_cfg`'s cut on their devices, or None when they can."""
     short = [(rank, need, free) for rank, (need, free) in enumerate(group.move_room(new_cfg)) if need > free]

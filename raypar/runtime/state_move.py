@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from raypar.checkpoint import dtype_from_name, dtype_name
 from raypar.config import Config
 from raypar.model.partition import stage_param_shapes
 from raypar.runtime.recent_states import tensor_name
@@ -34,12 +35,12 @@ class MoveFailed(RuntimeError):
 
 
 def manifest(tensors: dict[str, torch.Tensor]) -> Manifest:
-    return {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in tensors.items()}
+    return {key: (dtype_name(t.dtype), tuple(t.shape)) for key, t in tensors.items()}
 
 
 def nbytes(entry: tuple[str, tuple[int, ...]]) -> int:
     dtype, shape = entry
-    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+    return torch.Size(shape).numel() * dtype_from_name(dtype).itemsize
 
 
 def stage_parameters(cfg: Config, grid: Grid, rank: int) -> int:
@@ -110,7 +111,7 @@ def exchange(plan: MovePlan, held_manifests: list[Manifest], rank: int, held: di
             elif nbytes(held_manifests[src][key]) == 0:
                 if dst == rank:
                     dtype, shape = held_manifests[src][key]
-                    mine[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=comm_device)
+                    mine[key] = torch.empty(shape, dtype=dtype_from_name(dtype), device=comm_device)
             elif src == rank:
                 raw = held[key].to(comm_device).contiguous().reshape(-1).view(torch.uint8)
                 ops.append(dist.P2POp(dist.isend, raw, dst))
@@ -118,7 +119,7 @@ def exchange(plan: MovePlan, held_manifests: list[Manifest], rank: int, held: di
                 dtype, shape = held_manifests[src][key]
                 raw = torch.empty(nbytes(held_manifests[src][key]), dtype=torch.uint8, device=comm_device)
                 ops.append(dist.P2POp(dist.irecv, raw, src))
-                mine[key] = raw.view(getattr(torch, dtype)).reshape(shape)
+                mine[key] = raw.view(dtype_from_name(dtype)).reshape(shape)
     # A batch of point-to-point operations that is the group's first must be called by every
     # rank (NCCL): one all-reduce first, which every worker calls, makes the world's communicator.
     dist.all_reduce(torch.zeros(1, device=comm_device))
