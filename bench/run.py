@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,9 @@ class Context:
     steps: int | None
     quick: bool
     repeats: int = 1  # launches of each row of the baselines suite (median and spread when > 1)
-    profile: bool = False  # baselines: one profiled step of raypar and torch (kernel time by kind)
+    profile: bool = False  # baselines, tp: one profiled step of each kind of row (kernel time by kind)
     suite: str = ""
+    rows: str | None = None  # --rows: a regular expression; rows whose label it does not find are skipped
     deadline: float = math.inf  # time.monotonic() by which this suite should be done
     _runs: dict[str, tuple[str, RunSummary]] = field(default_factory=dict)  # finished plain runs, by config
 
@@ -169,7 +171,10 @@ class Context:
         return row
 
     def attempt(self, label: str, fn: Callable[[], dict | list[dict]], min_time_s: float = LAUNCH_S) -> list[dict]:
-        """Run one row (or a few); a failure becomes an error row, too little time left a skipped one."""
+        """Run one row (or a few); a failure becomes an error row, too little time left or a
+        label --rows does not select a skipped one."""
+        if self.rows is not None and not re.search(self.rows, label):
+            return [{"label": label, "skipped": f"not selected by --rows {self.rows!r}"}]
         if self.time_left() < min_time_s:
             return [{"label": label, "skipped": f"time budget: {max(0.0, self.time_left()):.0f}s left in this suite"}]
         t0 = time.monotonic()
@@ -344,12 +349,16 @@ def main() -> int:
                     help="seconds for all suites (GPU default: 150 for quick, 420 for scale, else 510; none on CPU)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder for runs and checkpoints (default: a temp dir)")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder, every suite's runs included")
+    ap.add_argument("--rows", default=None, metavar="REGEX",
+                    help="run only the rows whose label this regular expression finds (re.search); "
+                         "the others are listed as skipped")
     ap.add_argument("--repeats", type=int, default=1,
                     help="launch each baselines row this many times, interleaved; rows report the median, the spread "
                          "and raypar / torch launch by launch")
     ap.add_argument("--profile", action="store_true",
                     help="baselines: one more launch of raypar and torch with one step under torch.profiler; "
-                         "rows give each stage's kernel time by kind and the device's busy time")
+                         "tp: one more launch of tp=1 and tp=2 so; rows give each stage's (or tp rank's) kernel "
+                         "time by kind and the device's busy time")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more launches per row")
@@ -366,7 +375,7 @@ def main() -> int:
     env = environment(args, names)
     print(f"environment: {json.dumps({k: v for k, v in env.items() if k != 'topology'})}", flush=True)
     ctx = Context(work=work.resolve(), cpu=args.cpu, steps=args.steps, quick=args.suite == "quick",
-                  repeats=args.repeats, profile=args.profile)
+                  repeats=args.repeats, profile=args.profile, rows=args.rows)
     results: dict[str, dict] = {}
     try:
         for i, name in enumerate(names):

@@ -216,6 +216,11 @@ class RuntimeConfig:
     # in another order. Off: every backward exchange is waited for in line. Not used by
     # schedules that split backward into I and W themselves (zb-*).
     moe_backward_overlap: bool = True
+    # The same for tensor parallelism (parallel.tp > 1): a backward leaves the split linear
+    # layers' weight gradients until the next sum of input gradients over the tp ranks (an
+    # all-reduce, or a reduce-scatter under sequence parallelism) has left, and computes
+    # them while it travels. Off: every such exchange is waited for in line.
+    tp_backward_overlap: bool = True
     # On a stage that is the whole model (parallel.pp=1) on GPU, each micro-batch's forward
     # and backward replay CUDA graphs captured at the first step: the host issues two
     # launches per micro-batch instead of every op (MoE layers issue ~60 a layer and

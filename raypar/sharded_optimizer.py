@@ -28,7 +28,7 @@ from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.kernels import accumulate_
 from raypar.model.experts import named_slices
-from raypar.model.tensor_parallel import tp_slices
+from raypar.model.tensor_parallel import largest_piece, tp_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
 from raypar.runtime.comm import all_reduce_, wait_for
 
@@ -71,14 +71,17 @@ class Family:
     """Parameters replicated over one group, in flat buffers, with this rank's share."""
 
     def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], slices: dict[str, list[tuple[str, tuple]]],
-                 group, bucket_numel: int, mixed: bool, overlap: bool = True) -> None:
-        """`index`: the family's place in its optimizer's (and its EMA's) lists."""
+                 group, bucket_numel: int, mixed: bool, overlap: bool = True, room: dict[str, int] | None = None) -> None:
+        """`index`: the family's place in its optimizer's (and its EMA's) lists. `room`: the
+        elements to lay out for a parameter where that is more than it holds (a tp slice
+        smaller than another tp worker's: every tp worker's buffers then line up)."""
         self.index, self.group, self.mixed, self.overlap = index, group, mixed, overlap
         self.ranks = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.params = params
         device, dtype = params[0][1].device, params[0][1].dtype
-        sizes = [_round_up(p.numel(), ALIGN) for _, p in params]
+        room = room or {}
+        sizes = [_round_up(max(p.numel(), room.get(n, 0)), ALIGN) for n, p in params]
         # Backward produces the last parameters' gradients first: they fill the first
         # buckets, which are then the first complete. A bucket holds whole parameters.
         members: list[list[int]] = [[]]
@@ -262,7 +265,10 @@ class ShardedOptimizer(MasterOptimizer):
         by_family: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for n, p in self.named_params:
             by_family.setdefault("expert" if is_expert_param(n) else "dense", []).append((n, p))
-        self.families = [Family(i, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap)
+        # tp slices may differ in size (aligned pieces); the whole-held parameters' gradients
+        # are summed over tp share by share, so every tp worker lays out its largest.
+        room = {name: largest_piece(*held) for name, held in self.tp_slices.items()}
+        self.families = [Family(i, params, self.slices, groups.get(f), bucket_numel, self.mixed, overlap, room)
                          for i, (f, params) in enumerate(sorted(by_family.items()))]
         # Views of the detached weights: a view of the parameter itself would keep its
         # AccumulateGrad node alive, tied to this stream, and a CUDA graph's backward

@@ -198,3 +198,13 @@ def test_schedules_bench_runs_on_cpu(tmp_path):
     split = " ".join(map(str, row["layers_per_stage"]))
     assert f"| interleaved-1f1b-auto | {split} | {row['tokens_per_s']:,.0f} | {ideal:.3f} |  |" in table
     assert f"Fastest pipelined launch: interleaved-1f1b-auto, {ideal:.3f} of the ideal" in table
+
+def test_rows_a_rows_pattern_does_not_select_are_listed_as_skipped(tmp_path):
+    """`--rows REGEX`: a row whose label the pattern does not find is not run, and says why."""
+    from bench.run import Context
+
+    ctx = Context(work=tmp_path, cpu=True, steps=2, quick=False, rows=r"tp=2\b")
+    assert ctx.attempt("tp=1, 1 GPU", lambda: 1 / 0) == [
+        {"label": "tp=1, 1 GPU", "skipped": r"not selected by --rows 'tp=2\\b'"}]
+    ran = ctx.attempt("tp=2, 2 GPUs", lambda: {"label": "tp=2, 2 GPUs", "tokens_per_s": 1.0})
+    assert [(r["label"], r["tokens_per_s"]) for r in ran] == [("tp=2, 2 GPUs", 1.0)]

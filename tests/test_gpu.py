@@ -8,7 +8,7 @@ from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
 from raypar.driver.trainer import Trainer
 
-from helpers import start_group_on, step_both, synthetic_data, tiny_config
+from helpers import run_config, start_group_on, step_both, synthetic_data, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -180,6 +180,44 @@ def test_gpu_events_keep_every_unit_of_every_step(ray_session, tmp_path):
         assert record.grad_norm > 0 and math.isfinite(record.grad_norm), record.step
 
 
+def test_moving_to_another_cut_over_nccl_keeps_every_loss_and_weight(ray_session, tmp_path):
+    """pp=2 on two GPUs switches from 1F1B to ZB-V and then to interleaved 1F1B: the layers that
+    change worker travel point to point over NCCL (parallel.move_through=devices), and the
+    losses and the final checkpoint (weights, masters, moments) are the fixed 1F1B run's."""
+    _need_gpus(2)
+    from raypar.checkpoint import CheckpointReader, checkpoint_dir
+    from raypar.data import write_synthetic_corpus
+    from raypar.driver.callbacks import Callback
+
+    class SwitchAt(Callback):
+        def __init__(self, plan: dict[int, tuple]):
+            self.plan = plan
+
+        def on_step_end(self, trainer, record):
+            if record.step in self.plan:
+                trainer.switch_schedule(*self.plan.pop(record.step))
+
+    write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
+
+    def run(name: str, callbacks=()):
+        cfg = run_config(tmp_path, name, (1, 2, 1), 9, model={"dropout": 0.1},
+                         parallel={"microbatches": 4}, runtime={"device": "cuda", "collective_timeout_s": 30.0},
+                         checkpoint={"every": 9})
+        return Trainer(cfg, callbacks=list(callbacks), log=lambda m: None).fit()
+
+    fixed = run("fixed")
+    moved = run("moved", [SwitchAt({2: ("zb-v",), 5: ("interleaved-1f1b", 2)})])
+    assert [(m["through"], m["step"]) for m in moved.moves] == [("devices", 4), ("devices", 7)]
+    assert all(0 < m["sent_bytes"] < m["bytes"] for m in moved.moves), moved.moves
+    assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
+    with CheckpointReader(checkpoint_dir(tmp_path / "fixed" / "ckpt", 9)) as a, \
+            CheckpointReader(checkpoint_dir(tmp_path / "moved" / "ckpt", 9)) as b:
+        names = sorted(n for n in a.names() if not n.startswith("rng."))
+        assert names == sorted(n for n in b.names() if not n.startswith("rng."))
+        for n in names:
+            torch.testing.assert_close(b.read(n), a.read(n), rtol=1e-5, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("parallel", [{"pp": 1}, {"pp": 2}, {"dp": 2, "pp": 1, "shard_optimizer": True}],
                          ids=["one", "pp2", "dp2-sharded"])
 def test_gpu_checkpoints_resume_exactly(ray_session, tmp_path, parallel):
@@ -245,7 +283,7 @@ def test_killed_gpu_worker_recovers_keeping_the_survivor(ray_session, tmp_path):
     _need_gpus(2)
     from raypar.data import write_synthetic_corpus
 
-    from helpers import KillWorker, last_loss_per_step, run_config
+    from helpers import KillWorker, last_loss_per_step
 
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
 

@@ -48,6 +48,37 @@ def test_a_part_tp_does_not_divide_splits_the_model_dimension_else_is_whole_and_
                                                            torch.arange(24, 32).view(2, 4))
 
 
+def test_mlp_pieces_start_at_multiples_of_eight_elements_and_join_whole():
+    """The MLP's hidden units split where a bf16 row stays 16-byte aligned (Hopper's GEMMs
+    need it): the 1B config's 5,464 over tp=2 into 2,728 and 2,736, not 2,732 each; an
+    aligned equal split is unchanged. Pieces name their alignment in memory, slice and join
+    back to the global tensor, and every rank's sharded-optimizer buffers make room for the
+    largest piece."""
+    from raypar.config import ModelConfig
+    from raypar.model import Transformer
+    from raypar.model.tensor_parallel import (ALIGN, TensorParallel, join_tp_pieces, largest_piece,
+                                              split_tp_piece_name, tp_piece_name, tp_slices)
+
+    assert [Slice(0, i, 2, align=ALIGN).bounds(5464) for i in range(2)] == [(0, 2728), (2728, 5464)]
+    assert [Slice(0, i, 4, align=ALIGN).bounds(88) for i in range(4)] == [(0, 16), (16, 40), (40, 64), (64, 88)]
+    assert [Slice(0, i, 2, align=ALIGN).bounds(96) for i in range(2)] == [(0, 48), (48, 96)]
+    assert [Slice(0, i, 2, align=ALIGN).bounds(90) for i in range(2)] == [(0, 45), (45, 90)]  # 90 is no multiple of 8
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4)  # hidden size 88: 44 a rank is misaligned
+    whole = torch.arange(88 * 32, dtype=torch.float32).view(88, 32)
+    pieces = {}
+    for rank in range(2):
+        with torch.device("meta"):
+            model = Transformer(cfg, tp=TensorParallel(rank, 2))
+        part, shape = tp_slices(model)["layers.0.mlp.w1.weight"]
+        assert model.get_parameter("layers.0.mlp.w1.weight").shape == ((40, 32), (48, 32))[rank]
+        assert part.offset(shape) == ((0, 0), (40, 0))[rank] and largest_piece(part, shape) == 48 * 32
+        key = tp_piece_name("w1", part)
+        assert split_tp_piece_name(key) == ("w1", part)
+        pieces[key] = part.of(whole)
+    assert torch.equal(join_tp_pieces(pieces)["w1"], whole)
+
+
 def _plain(obj):
     """Tensors as numpy arrays, for the queue: a tensor sent as shared memory is gone once
     its process exits."""
@@ -180,6 +211,53 @@ def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_mod
         for name, g in grads.items():
             want = slices[name].of(want_grads[name]) if name in slices else want_grads[name]
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {run}: {name}")
+
+
+def _overlapped_backward(sequence: bool, rank: int, group) -> dict:
+    """A tp model's gradients from a plain backward, and from one whose split linear layers'
+    weight gradients run while the next sum of input gradients over tp travels (what the
+    stage does with `runtime.tp_backward_overlap`): how many ran in each exchange."""
+    import raypar.model.tensor_parallel as tpm
+    from raypar.config import ModelConfig
+    from raypar.model import Transformer, init_weights
+    from raypar.model.split_backward import compute_weight_grads, set_split_backward, weight_grads_deferred
+    from raypar.model.tensor_parallel import TensorParallel
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    tp = TensorParallel(rank, 2, sequence)
+    tp.group = group
+    model = Transformer(cfg, tp=tp)
+    init_weights(model, cfg, seed=3)
+    model(tokens, labels).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    linears = set_split_backward(model, True)
+    ran, exchange = [], tpm.run_while_exchanging
+    tpm.run_while_exchanging = lambda: ran.append(exchange()) or ran[-1]
+    try:
+        with weight_grads_deferred("whole", overlap=True):
+            model(tokens, labels).backward()
+    finally:
+        tpm.run_while_exchanging = exchange
+    after = compute_weight_grads("whole")
+    return {"plain": plain, "overlapped": {n: p.grad for n, p in model.named_parameters()},
+            "counts": (linears, torch.tensor(ran), after)}
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["all-reduce", "sequence-parallel-reduce-scatter"])
+def test_weight_gradients_run_while_the_tp_exchanges_travel_and_equal_a_plain_backward(sequence):
+    results = _on_tp_ranks(functools.partial(_overlapped_backward, sequence))
+    for rank, out in results.items():
+        linears, ran, after = out["counts"]
+        # Every split layer's weight gradient ran beside an exchange, none was left: the
+        # head's beside the one at its input, each MLP's three beside the one at its input,
+        # and each attention's four (wo, wq, wk, wv) beside the one at the attention's input.
+        assert (int(ran.sum()), after) == (linears, 0), (rank, ran.tolist(), after)
+        assert ran.tolist() == [1, 3, 4, 3, 4], (rank, ran.tolist())
+        for name, g in out["overlapped"].items():
+            torch.testing.assert_close(g, out["plain"][name], rtol=1e-6, atol=1e-7, msg=f"rank {rank}: {name}")
 
 
 # Where tp does not divide a part: (tp, sequence parallel, model), each against the whole model.

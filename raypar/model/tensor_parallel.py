@@ -27,6 +27,7 @@ come from (`Slice`), so a checkpoint keeps pieces of the global tensors and load
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,28 +35,47 @@ import torch.distributed as dist
 from torch import Tensor
 
 from raypar.config import ModelConfig
+from raypar.model.split_backward import run_while_exchanging
+
+
+# Elements a piece of the MLP's hidden units starts at a multiple of: a bf16 row of a
+# multiple of 8 is 16 bytes, what Hopper's GEMM kernels need of their operands' rows (a
+# 5,464-wide MLP halved into 2,732-wide pieces ran cuBLAS's 4-byte-aligned sm80 kernels at
+# half the speed; pieces of 2,728 and 2,736 run the Hopper ones).
+ALIGN = 8
 
 
 @dataclass(frozen=True)
 class Slice:
-    """Which part of a global tensor one tp rank holds: `dim` cut into `parts` equal pieces,
-    this rank's is `index`; dim None: the whole tensor (replicated over tp)."""
+    """Which part of a global tensor one tp rank holds: `dim` cut into `parts` pieces, this
+    rank's is `index`; dim None: the whole tensor (replicated over tp). The pieces are equal,
+    or with `align` > 1 start at multiples of `align` elements (where the dimension is one):
+    then they may differ by `align`."""
     dim: int | None
     index: int
     parts: int
     why_replicated: str = ""
+    align: int = 1
+
+    def bounds(self, size: int, index: int | None = None) -> tuple[int, int]:
+        """Where piece `index` (default: this rank's) of a dimension of `size` starts and stops."""
+        i = self.index if index is None else index
+        step = self.align if size % self.align == 0 else 1
+        units = size // step
+        return step * (i * units // self.parts), step * ((i + 1) * units // self.parts)
 
     def of(self, full: Tensor) -> Tensor:
         """This rank's piece of the global tensor `full` (a view)."""
         if self.dim is None:
             return full
-        return full.chunk(self.parts, dim=self.dim)[self.index]
+        start, stop = self.bounds(full.shape[self.dim])
+        return full.narrow(self.dim, start, stop - start)
 
     def offset(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Where this piece starts in a global tensor of `shape`, per dimension."""
         if self.dim is None:
             return (0,) * len(shape)
-        return tuple(self.index * shape[d] // self.parts if d == self.dim else 0 for d in range(len(shape)))
+        return tuple(self.bounds(shape[d])[0] if d == self.dim else 0 for d in range(len(shape)))
 
 
 # The parts of a stage tp splits, each by the model keys whose sizes it prefers to cut.
@@ -114,7 +134,9 @@ class _ToTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        work = dist.all_reduce(grad, group=ctx.group, async_op=True)
+        run_while_exchanging()
+        work.wait()
         return grad, None
 
 
@@ -239,13 +261,19 @@ class TensorParallel:
     def whole_out(self, y: Tensor) -> Tensor:
         return y.chunk(self.size, dim=1)[self.rank].contiguous() if self.sequence else y
 
-    def mark(self, module: torch.nn.Module, param: str, global_shape: tuple[int, ...], dim: int) -> None:
+    def piece(self, size: int, align: int = 1) -> int:
+        """How much of a dimension of `size` this rank holds (`Slice.bounds`)."""
+        start, stop = Slice(0, self.rank, self.size, align=align).bounds(size)
+        return stop - start
+
+    def mark(self, module: torch.nn.Module, param: str, global_shape: tuple[int, ...], dim: int,
+             align: int = 1) -> None:
         """Record that `module`'s parameter `param` is this rank's slice along `dim` of a
         tensor of `global_shape` (what initialisation and checkpoints read back; on the module,
         which keeps it when a meta build's parameters are replaced)."""
         if not hasattr(module, "tp_slices"):
             module.tp_slices = {}
-        module.tp_slices[param] = (Slice(dim, self.rank, self.size), tuple(global_shape))
+        module.tp_slices[param] = (Slice(dim, self.rank, self.size, align=align), tuple(global_shape))
 
 
 def tp_slices(module: torch.nn.Module) -> dict[str, tuple[Slice, tuple[int, ...]]]:
@@ -302,13 +330,17 @@ def _gather_dim1(x: Tensor, group) -> Tensor:
     return out.transpose(0, 1).contiguous()
 
 
-def _reduce_scatter_dim1(x: Tensor, group) -> Tensor:
+def _reduce_scatter_dim1(x: Tensor, group, overlap: bool = False) -> Tensor:
+    """`overlap`: in backward, compute the weight gradients waiting so far while it travels."""
     size = dist.get_world_size(group)
     if x.shape[1] % size:
         raise ValueError(f"a sequence of {x.shape[1]} tokens does not split over {size} tensor-parallel ranks")
     x = x.transpose(0, 1).contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x, group=group)
+    work = _reduce_scatter(out, x, group=group, async_op=True)
+    if overlap:
+        run_while_exchanging()
+    work.wait()
     return out.transpose(0, 1).contiguous()
 
 
@@ -323,7 +355,9 @@ class _SequenceExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return (_reduce_scatter_dim1 if ctx.gather else _gather_dim1)(grad, ctx.group), None, None
+        if ctx.gather:  # the input gradient of column-parallel layers: their weights' can run beside it
+            return _reduce_scatter_dim1(grad, ctx.group, overlap=True), None, None
+        return _gather_dim1(grad, ctx.group), None, None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -366,10 +400,26 @@ def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tupl
         if held is None or held[0].dim is None or group is None:
             out[name] = t
             continue
-        parts = [torch.empty_like(t) for _ in range(held[0].parts)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        out[name] = torch.cat(parts, dim=held[0].dim)
+        part, shape = held
+        dim, size = part.dim, shape[part.dim]
+        sizes = [stop - start for start, stop in (part.bounds(size, i) for i in range(part.parts))]
+        # Pieces may differ in size (aligned pieces): gathered padded to the largest.
+        padded = list(t.shape)
+        padded[dim] = max(sizes)
+        mine = t.new_zeros(padded)
+        mine.narrow(dim, 0, t.shape[dim]).copy_(t)
+        parts = [torch.empty_like(mine) for _ in sizes]
+        dist.all_gather(parts, mine, group=group)
+        out[name] = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
     return out
+
+
+def largest_piece(part: Slice, shape: tuple[int, ...]) -> int:
+    """Elements of the largest of `part`'s sibling pieces of a global tensor of `shape`."""
+    if part.dim is None:
+        return math.prod(shape)
+    longest = max(stop - start for start, stop in (part.bounds(shape[part.dim], i) for i in range(part.parts)))
+    return math.prod(shape) // shape[part.dim] * longest
 
 
 def slice_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]]) -> dict[str, Tensor]:
@@ -378,12 +428,13 @@ def slice_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple
 
 
 # A tensor-parallel slice held in memory under its global tensor's name (a copy in memory,
-# `elastic.memory_every`): `<name>#tp<dim>.<index>.<parts>`.
+# `elastic.memory_every`): `<name>#tp<dim>.<index>.<parts>[.<align>]`.
 _TP_SEP = "#tp"
 
 
 def tp_piece_name(name: str, part: Slice) -> str:
-    return f"{name}{_TP_SEP}{part.dim}.{part.index}.{part.parts}"
+    align = f".{part.align}" if part.align > 1 else ""
+    return f"{name}{_TP_SEP}{part.dim}.{part.index}.{part.parts}{align}"
 
 
 def split_tp_piece_name(key: str) -> tuple[str, Slice | None]:
@@ -391,8 +442,8 @@ def split_tp_piece_name(key: str) -> tuple[str, Slice | None]:
     name, sep, spec = key.rpartition(_TP_SEP)
     if not sep:
         return key, None
-    dim, index, parts = (int(v) for v in spec.split("."))
-    return name, Slice(dim, index, parts)
+    dim, index, parts, *align = (int(v) for v in spec.split("."))
+    return name, Slice(dim, index, parts, align=align[0] if align else 1)
 
 
 def join_tp_pieces(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

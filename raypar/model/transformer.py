@@ -21,7 +21,7 @@ from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
 from raypar.model.split_backward import Linear
-from raypar.model.tensor_parallel import (TensorParallel, gather_from_tensor_parallel, vocab_parallel_cross_entropy,
+from raypar.model.tensor_parallel import (ALIGN, TensorParallel, gather_from_tensor_parallel, vocab_parallel_cross_entropy,
                                           vocab_parallel_embedding)
 
 __all__ = [
@@ -132,14 +132,15 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
 class ParallelFeedForward(FeedForward):
     """The SwiGLU MLP split over `tp`: w1 and w3 by output rows (hidden units), w2 by input
     columns; one all-reduce forward (the partial outputs) and one backward (the input's
-    gradient)."""
+    gradient). Each rank's hidden units start at a multiple of `ALIGN`, so pieces may differ
+    by that much: the all-reduce sums outputs of the model's width either way."""
 
     def __init__(self, dim: int, hidden_dim: int, tp: TensorParallel, dtype: torch.dtype | None = None) -> None:
-        super().__init__(dim, hidden_dim // tp.size, dtype=dtype)
+        super().__init__(dim, tp.piece(hidden_dim, ALIGN), dtype=dtype)
         self.tp = tp
-        tp.mark(self.w1, "weight", (hidden_dim, dim), 0)
-        tp.mark(self.w3, "weight", (hidden_dim, dim), 0)
-        tp.mark(self.w2, "weight", (dim, hidden_dim), 1)
+        tp.mark(self.w1, "weight", (hidden_dim, dim), 0, ALIGN)
+        tp.mark(self.w3, "weight", (hidden_dim, dim), 0, ALIGN)
+        tp.mark(self.w2, "weight", (dim, hidden_dim), 1, ALIGN)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.tp.leave(super().forward(self.tp.enter(x)))

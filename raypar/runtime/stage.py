@@ -229,8 +229,10 @@ class StageRuntime:
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
         splits = any(a.op in (Op.I, Op.W) for a in self.program)
-        self._overlaps_exchanges = (not splits and self.cfg.runtime.moe_backward_overlap and self.grid.ep > 1
-                                    and bool(self.moe_layers) and self.cfg.runtime.moe_alltoall == "padded")
+        self._overlaps_exchanges = not splits and (
+            (self.cfg.runtime.moe_backward_overlap and self.grid.ep > 1 and bool(self.moe_layers)
+             and self.cfg.runtime.moe_alltoall == "padded")
+            or (self.cfg.runtime.tp_backward_overlap and self.grid.tp > 1))
         set_split_backward(self.model, splits or self._overlaps_exchanges)
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.program_changed()
@@ -617,8 +619,9 @@ class StageRuntime:
         self.tracker.backward_done(key)
 
     def _whole_backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """B: with MoE exchanges to overlap, each layer's weight gradients run while the next
-        exchange travels (`runtime.moe_backward_overlap`), the last ones after backward."""
+        """B: with MoE or tp exchanges to overlap, each layer's weight gradients run while
+        the next exchange travels (`runtime.moe_backward_overlap`, `runtime.tp_backward_overlap`),
+        the last ones after backward."""
         if not self._overlaps_exchanges:
             backward_from(out, grad)
             return

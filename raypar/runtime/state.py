@@ -331,7 +331,8 @@ def whole_slices(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, 
     for name in pieces.names:
         tensor, part = split_tp_piece_name(name)
         shape = list(shapes[_param_of(tensor)])
-        shape[part.dim] //= part.parts
+        start, stop = part.bounds(shape[part.dim])
+        shape[part.dim] = stop - start
         out[name] = pieces.read(name).reshape(shape)
     return out
 
