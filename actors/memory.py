@@ -121,6 +121,7 @@ class WorkerMemory:
     def __init__(self, group) -> None:
         self.group = group
         self.generation = 0  # of the peers set last: a replica sent for an earlier one is dropped
+        self.sends_replicas = False  # some worker has a peer (set_peers): on one node with shared memory none has
 
     def set_peers(self) -> None:
         """Tell each worker where its copies go (after every setup: ranks and nodes change),
@@ -137,6 +138,7 @@ class WorkerMemory:
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
         check_object_store(g.cfg.elastic.memory_every, nodes, state_bytes, peers, stores, node_names)
         self.generation = next(_GENERATIONS)
+        self.sends_replicas = any(peer != r for r, peer in enumerate(peers))
         refs = [w.set_memory_peer.remote(g.workers[peer] if peer != r else None, self.generation)
                 for r, (w, peer) in enumerate(zip(g.workers, peers))]
         g.get(refs, g.cfg.runtime.step_timeout_s, "set_memory_peer")

@@ -284,8 +284,9 @@ class StageWorker:
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)
             if memory:
-                report.checkpoint_stall_s += self.runtime.keep_recent(
-                    step, self.recent, self._send_replica if replicate else None)
+                # A worker without a peer sends nothing: asked to, it would look busy sending.
+                send = self._send_replica if replicate and self._peer is not None else None
+                report.checkpoint_stall_s += self.runtime.keep_recent(step, self.recent, send)
             if self._reserve_after_step:
                 self.recent.reserve(self.runtime.memory_layout(), pin=self.device.type == "cuda", wait=False,
                                     slots=self._reserve_after_step)

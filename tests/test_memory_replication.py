@@ -164,6 +164,9 @@ def test_workers_all_started_again_restore_from_the_copies_their_processes_left(
                                    "keep_survivors": False})
 
     reference = Trainer(config("reference")).fit()
+    # One node, copies in shared memory: no worker has a peer, so no step asks for replicas.
+    assert any(r.memory_copied for r in reference.records)
+    assert not any(r.memory_replicated for r in reference.records)
     cfg = config("killed")
     summary = Trainer(cfg, callbacks=[KillWorker(5, 1)]).fit()
     event = summary.recoveries[0]

@@ -213,10 +213,11 @@ def test_a_transformer_split_over_two_tensor_parallel_ranks_equals_the_whole_mod
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {run}: {name}")
 
 
-def _overlapped_backward(sequence: bool, rank: int, group) -> dict:
+def _overlapped_backward(rank: int, group) -> dict:
     """A tp model's gradients from a plain backward, and from one whose split linear layers'
     weight gradients run while the next sum of input gradients over tp travels (what the
-    stage does with `runtime.tp_backward_overlap`): how many ran in each exchange."""
+    stage does with `runtime.tp_backward_overlap`): how many ran in each exchange. Without
+    and with sequence parallelism (all-reduces, reduce-scatters)."""
     import raypar.model.tensor_parallel as tpm
     from raypar.config import ModelConfig
     from raypar.model import Transformer, init_weights
@@ -226,38 +227,42 @@ def _overlapped_backward(sequence: bool, rank: int, group) -> dict:
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
     tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
-    tp = TensorParallel(rank, 2, sequence)
-    tp.group = group
-    model = Transformer(cfg, tp=tp)
-    init_weights(model, cfg, seed=3)
-    model(tokens, labels).backward()
-    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    linears = set_split_backward(model, True)
-    ran, exchange = [], tpm.run_while_exchanging
-    tpm.run_while_exchanging = lambda: ran.append(exchange()) or ran[-1]
-    try:
-        with weight_grads_deferred("whole", overlap=True):
-            model(tokens, labels).backward()
-    finally:
-        tpm.run_while_exchanging = exchange
-    after = compute_weight_grads("whole")
-    return {"plain": plain, "overlapped": {n: p.grad for n, p in model.named_parameters()},
-            "counts": (linears, torch.tensor(ran), after)}
+    out = {}
+    for sequence in (False, True):
+        tp = TensorParallel(rank, 2, sequence)
+        tp.group = group
+        model = Transformer(cfg, tp=tp)
+        init_weights(model, cfg, seed=3)
+        model(tokens, labels).backward()
+        plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        linears = set_split_backward(model, True)
+        ran, exchange = [], tpm.run_while_exchanging
+        tpm.run_while_exchanging = lambda: ran.append(exchange()) or ran[-1]
+        try:
+            with weight_grads_deferred("whole", overlap=True):
+                model(tokens, labels).backward()
+        finally:
+            tpm.run_while_exchanging = exchange
+        after = compute_weight_grads("whole")
+        out[sequence] = {"plain": plain, "overlapped": {n: p.grad for n, p in model.named_parameters()},
+                         "counts": (linears, torch.tensor(ran), after)}
+    return out
 
 
-@pytest.mark.parametrize("sequence", [False, True], ids=["all-reduce", "sequence-parallel-reduce-scatter"])
-def test_weight_gradients_run_while_the_tp_exchanges_travel_and_equal_a_plain_backward(sequence):
-    results = _on_tp_ranks(functools.partial(_overlapped_backward, sequence))
-    for rank, out in results.items():
+def test_weight_gradients_run_while_the_tp_exchanges_travel_and_equal_a_plain_backward():
+    results = _on_tp_ranks(_overlapped_backward)
+    for (rank, by_mode), sequence in ((item, s) for item in results.items() for s in (False, True)):
+        out = by_mode[sequence]
         linears, ran, after = out["counts"]
         # Every split layer's weight gradient ran beside an exchange, none was left: the
         # head's beside the one at its input, each MLP's three beside the one at its input,
         # and each attention's four (wo, wq, wk, wv) beside the one at the attention's input.
-        assert (int(ran.sum()), after) == (linears, 0), (rank, ran.tolist(), after)
-        assert ran.tolist() == [1, 3, 4, 3, 4], (rank, ran.tolist())
+        assert (int(ran.sum()), after) == (linears, 0), (rank, sequence, ran.tolist(), after)
+        assert ran.tolist() == [1, 3, 4, 3, 4], (rank, sequence, ran.tolist())
         for name, g in out["overlapped"].items():
-            torch.testing.assert_close(g, out["plain"][name], rtol=1e-6, atol=1e-7, msg=f"rank {rank}: {name}")
+            torch.testing.assert_close(g, out["plain"][name], rtol=1e-6, atol=1e-7,
+                                       msg=f"rank {rank}, sequence parallel {sequence}: {name}")
 
 
 # Where tp does not divide a part: (tp, sequence parallel, model), each against the whole model.

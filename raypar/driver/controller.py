@@ -303,8 +303,9 @@ class Controller:
         # Only when every worker can take the copy (the last reports): a step some worker skips
         # is whole nowhere, and workers that skip on their own would copy different steps.
         memory = e.enabled and e.memory_every > 0 and (step + 1) % e.memory_every == 0 and not self._memory_busy
-        # Replicas at their own pace (they cross nodes), the same steps on every worker.
-        replicate = memory and not self._replica_busy
+        # Replicas at their own pace (they cross nodes), the same steps on every worker;
+        # none where no worker has a peer (one node, copies in shared memory).
+        replicate = memory and not self._replica_busy and self.group.memory.sends_replicas
         issued_at = time.perf_counter()
         refs = self.group.issue_step(step, ids_after(consumed), snapshot=snapshot, next_sample_ids=following,
                                      memory=memory, replicate=replicate)

@@ -322,26 +322,31 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def _gather_dim1(x: Tensor, group) -> Tensor:
+    """[b, t/size, ...] slices into [b, t, ...]: gathered rank after rank as they are, then
+    put in sequence order by one copy."""
     size = dist.get_world_size(group)
-    x = x.transpose(0, 1).contiguous()  # the sequence first: each rank's slice is one block
+    x = x.contiguous()
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather(out, x, group=group)
-    # Back to [b, t, ...] in memory too (a copy; a [t, b, ...] residual stream would avoid it).
-    return out.transpose(0, 1).contiguous()
+    blocks = out.view(size, *x.shape)  # [size, b, t/size, ...]
+    return blocks.transpose(0, 1).reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
 
 
 def _reduce_scatter_dim1(x: Tensor, group, overlap: bool = False) -> Tensor:
-    """`overlap`: in backward, compute the weight gradients waiting so far while it travels."""
+    """[b, t, ...] partial sums into this rank's summed [b, t/size, ...]: one copy puts each
+    rank's slice in a block of its own, which the reduce-scatter's output is as it lands.
+    `overlap`: in backward, compute the weight gradients waiting so far while it travels."""
     size = dist.get_world_size(group)
-    if x.shape[1] % size:
-        raise ValueError(f"a sequence of {x.shape[1]} tokens does not split over {size} tensor-parallel ranks")
-    x = x.transpose(0, 1).contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _reduce_scatter(out, x, group=group, async_op=True)
+    b, t = x.shape[:2]
+    if t % size:
+        raise ValueError(f"a sequence of {t} tokens does not split over {size} tensor-parallel ranks")
+    blocks = x.reshape(b, size, t // size, *x.shape[2:]).transpose(0, 1).contiguous()  # [size, b, t/size, ...]
+    out = torch.empty(blocks.shape[1:], dtype=x.dtype, device=x.device)
+    work = _reduce_scatter(out, blocks.view(size * b, *blocks.shape[2:]), group=group, async_op=True)
     if overlap:
         run_while_exchanging()
     work.wait()
-    return out.transpose(0, 1).contiguous()
+    return out
 
 
 class _SequenceExchange(torch.autograd.Function):
