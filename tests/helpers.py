@@ -143,6 +143,17 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bou
                                  f"= {float(diff.flatten()[i]):.3g} > {float(bound[name].expand_as(w).flatten()[i]):.3g}")
 
 
+class SwitchAt(Callback):
+    """Calls `trainer.switch_schedule(*args)` at the end of each step named in `plan`."""
+
+    def __init__(self, plan: dict[int, tuple]):
+        self.plan = plan
+
+    def on_step_end(self, trainer, record):
+        if record.step in self.plan:
+            trainer.switch_schedule(*self.plan.pop(record.step))
+
+
 class KillWorker(Callback):
     """Kills one stage worker after step `at` (once), as a crash would."""
 

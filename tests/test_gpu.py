@@ -8,7 +8,7 @@ from raypar.data import SampleOrder
 from raypar.reference import ReferenceTrainer
 from raypar.driver.trainer import Trainer
 
-from helpers import run_config, start_group_on, step_both, synthetic_data, tiny_config
+from helpers import SwitchAt, run_config, start_group_on, step_both, synthetic_data, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -187,15 +187,6 @@ def test_moving_to_another_cut_over_nccl_keeps_every_loss_and_weight(ray_session
     _need_gpus(2)
     from raypar.checkpoint import CheckpointReader, checkpoint_dir
     from raypar.data import write_synthetic_corpus
-    from raypar.driver.callbacks import Callback
-
-    class SwitchAt(Callback):
-        def __init__(self, plan: dict[int, tuple]):
-            self.plan = plan
-
-        def on_step_end(self, trainer, record):
-            if record.step in self.plan:
-                trainer.switch_schedule(*self.plan.pop(record.step))
 
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
 

@@ -8,21 +8,9 @@ import re
 import pytest
 
 from raypar.config import ConfigError
-from raypar.driver.callbacks import Callback
 from raypar.driver.trainer import Trainer
 
-from helpers import run_config
-
-
-class SwitchAt(Callback):
-    """Calls `trainer.switch_schedule(*args)` at the end of each step named in `plan`."""
-
-    def __init__(self, plan: dict[int, tuple]):
-        self.plan = plan
-
-    def on_step_end(self, trainer, record):
-        if record.step in self.plan:
-            trainer.switch_schedule(*self.plan.pop(record.step))
+from helpers import SwitchAt, run_config
 
 
 @pytest.fixture(scope="module")
