@@ -49,8 +49,8 @@ ALIGN = 8
 class Slice:
     """Which part of a global tensor one tp rank holds: `dim` cut into `parts` pieces, this
     rank's is `index`; dim None: the whole tensor (replicated over tp). The pieces are equal,
-    or with `align` > 1 start at multiples of `align` elements (where the dimension is one):
-    then they may differ by `align`."""
+    or with `align` > 1 start at multiples of `align` elements (where the dimension is a
+    multiple of it): then they may differ by `align`."""
     dim: int | None
     index: int
     parts: int
@@ -63,6 +63,10 @@ class Slice:
         step = self.align if size % self.align == 0 else 1
         units = size // step
         return step * (i * units // self.parts), step * ((i + 1) * units // self.parts)
+
+    def lengths(self, size: int) -> list[int]:
+        """Every piece's length along a dimension of `size`, by index."""
+        return [stop - start for start, stop in (self.bounds(size, i) for i in range(self.parts))]
 
     def of(self, full: Tensor) -> Tensor:
         """This rank's piece of the global tensor `full` (a view)."""
@@ -406,8 +410,7 @@ def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tupl
             out[name] = t
             continue
         part, shape = held
-        dim, size = part.dim, shape[part.dim]
-        sizes = [stop - start for start, stop in (part.bounds(size, i) for i in range(part.parts))]
+        dim, sizes = part.dim, part.lengths(shape[part.dim])
         # Pieces may differ in size (aligned pieces): gathered padded to the largest.
         padded = list(t.shape)
         padded[dim] = max(sizes)
@@ -423,8 +426,7 @@ def largest_piece(part: Slice, shape: tuple[int, ...]) -> int:
     """Elements of the largest of `part`'s sibling pieces of a global tensor of `shape`."""
     if part.dim is None:
         return math.prod(shape)
-    longest = max(stop - start for start, stop in (part.bounds(shape[part.dim], i) for i in range(part.parts)))
-    return math.prod(shape) // shape[part.dim] * longest
+    return math.prod(shape) // shape[part.dim] * max(part.lengths(shape[part.dim]))
 
 
 def slice_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]]) -> dict[str, Tensor]:
