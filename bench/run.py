@@ -357,8 +357,8 @@ def main() -> int:
                          "and raypar / torch launch by launch")
     ap.add_argument("--profile", action="store_true",
                     help="baselines: one more launch of raypar and torch with one step under torch.profiler; "
-                         "tp: one more launch of tp=1 and tp=2 so; rows give each stage's (or tp rank's) kernel "
-                         "time by kind and the device's busy time")
+                         "tp: one more launch each of tp=1 and tp=2, profiled the same way; rows give each stage's "
+                         "(or tp rank's) kernel time by kind and the device's busy time")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more launches per row")

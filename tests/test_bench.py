@@ -199,7 +199,8 @@ def test_schedules_bench_runs_on_cpu(tmp_path):
     assert f"| interleaved-1f1b-auto | {split} | {row['tokens_per_s']:,.0f} | {ideal:.3f} |  |" in table
     assert f"Fastest pipelined launch: interleaved-1f1b-auto, {ideal:.3f} of the ideal" in table
 
-def test_rows_a_rows_pattern_does_not_select_are_listed_as_skipped(tmp_path):
+
+def test_rows_that_a_rows_pattern_does_not_select_are_listed_as_skipped(tmp_path):
     """`--rows REGEX`: a row whose label the pattern does not find is not run, and says why."""
     from bench.run import Context
 
