@@ -38,16 +38,18 @@ class Placement:
         self.resources = resources
         self.timeout_s = timeout_s
         self._pgs: list = []
+        self.strategies: dict[str, str] = {}  # by placement group id
 
     def reserve(self, n: int, per_node: int = 1) -> list[Slot]:
         """n worker bundles packed together, or ResourceError within the timeout. `per_node`
         > 1 (dividing n): each consecutive `per_node` of them on one node, in a placement group
         of their own (a stage cell's tp workers, whose all-reduces want NVLink)."""
+        if n == 0:
+            return []
         bundle = self.resources.bundle()
-        if per_node > 1 and n % per_node == 0:
-            pgs = [placement_group([bundle] * per_node, strategy="STRICT_PACK") for _ in range(n // per_node)]
-        else:
-            per_node, pgs = n, [placement_group([bundle] * n, strategy="PACK")]
+        strategy, size = group_shape(n, per_node)
+        pgs = [placement_group([bundle] * size, strategy=strategy) for _ in range(n // size)]
+        per_node = size
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.timeout_s)
         if len(ready) < len(pgs):
             for pg in pgs:
@@ -58,14 +60,31 @@ class Placement:
                 f"runtime.placement_timeout_s={self.timeout_s:g}s; the cluster is busy or its free resources are "
                 f"split across nodes (ray status shows them)"
             )
-        self._pgs += pgs
+        self._add(pgs, strategy)
         return [(pg, i) for pg in pgs for i in range(per_node)]
+
+    def _add(self, pgs: list, strategy: str) -> None:
+        self._pgs += pgs
+        self.strategies.update((pg.id.hex(), strategy) for pg in pgs)
+
+    def adopt(self, pg, strategy: str) -> list[Slot]:
+        """A placement group placed before (kept workers'): this group's from now on."""
+        self._add([pg], strategy)
+        return [(pg, i) for i in range(len(pg.bundle_specs))]
+
+    def hand_over(self, pg) -> None:
+        """Stop owning `pg` (kept workers go with it): `release` leaves it placed."""
+        self._pgs = [g for g in self._pgs if g.id != pg.id]
+        self.strategies.pop(pg.id.hex(), None)
+
+    def owned(self) -> list:
+        return list(self._pgs)
 
     def reserve_later(self, n: int, gpu: bool = True) -> list[Slot]:
         """n bundles that nothing waits for: a cluster without room only runs without them
         (the pending group stays visible to the autoscaler). `gpu=False`: CPUs only."""
         pg = placement_group([self.resources.bundle(gpu)] * n, strategy="PACK")
-        self._pgs.append(pg)
+        self._add([pg], "PACK")
         return [(pg, i) for i in range(n)]
 
     def start_worker(self, slot: Slot, cfg: Config, grid: Grid, rank: int, data_path: str,
@@ -88,16 +107,28 @@ class Placement:
 
     def release(self) -> None:
         """Remove every placement group, waiting (briefly) until Ray sees them gone."""
-        for pg in self._pgs:
-            remove_placement_group(pg)
-        # Removal is asynchronous; a re-plan right after must see the resources as free.
-        deadline = time.monotonic() + 10.0
-        for pg in self._pgs:
-            while time.monotonic() < deadline:
-                if ray.util.placement_group_table(pg).get("state") == "REMOVED":
-                    break
-                time.sleep(0.05)
-        self._pgs = []
+        remove_groups(self._pgs)
+        self._pgs, self.strategies = [], {}
+
+
+def group_shape(n: int, per_node: int) -> tuple[str, int]:
+    """(strategy, bundles) of each placement group that `Placement.reserve` makes for n workers."""
+    if per_node > 1 and n % per_node == 0:
+        return "STRICT_PACK", per_node
+    return "PACK", n
+
+
+def remove_groups(pgs: list) -> None:
+    """Remove placement groups, waiting (briefly) until Ray sees them gone."""
+    for pg in pgs:
+        remove_placement_group(pg)
+    # Removal is asynchronous; a re-plan right after must see the resources as free.
+    deadline = time.monotonic() + 10.0
+    for pg in pgs:
+        while time.monotonic() < deadline:
+            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                break
+            time.sleep(0.05)
 
 
 def slot_key(slot: Slot) -> tuple[str, int]:

@@ -54,9 +54,6 @@ class StepRefused(RuntimeError):
 @ray.remote(concurrency_groups={"io": 1, "control": 1, "report": 1, "memory": 1})
 class StageWorker:
     def __init__(self, cfg: dict, grid: Grid, rank: int, device: str, data_path: str, borrows_gpu: bool = False):
-        self.cfg: Config = config_from_dict(cfg)
-        self.grid = grid
-        self.rank = rank
         # A standby without a GPU of its own (elastic.standby_gpu=borrow) sees every GPU of its
         # node and picks one in `take_gpu`; until then it has none.
         self.borrows_gpu = borrows_gpu and device == "cuda"
@@ -69,6 +66,19 @@ class StageWorker:
                 torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        self._salvage_lock = threading.Lock()
+        # Ray starts workers from their node's raylet: when it ends (the node is lost) this
+        # process is reparented, though it may answer calls a while longer.
+        self._raylet_pid = os.getppid()
+        # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
+        self._nccl_lock = threading.Lock()
+        self._bind(config_from_dict(cfg), grid, rank, data_path)
+
+    def _bind(self, cfg: Config, grid: Grid, rank: int, data_path: str) -> None:
+        """Everything of this worker that belongs to one run; the process, its device and
+        imports outlive it (`rebind`)."""
+        self.cfg, self.grid, self.rank = cfg, grid, rank
+        if self.device.type == "cpu":
             # Several workers share a node's cores: one intra-op thread each avoids thrashing.
             torch.set_num_threads(max(1, int(self.cfg.runtime.cpus_per_worker)))
         self.data_path = data_path
@@ -93,14 +103,19 @@ class StageWorker:
         # The last salvage this worker was reset for: `abort` and `reset` of one salvage run on
         # different threads in either order, and a late abort must not hit the next plan.
         self.salvage = 0
-        self._salvage_lock = threading.Lock()
-        # Ray starts workers from their node's raylet: when it ends (the node is lost) this
-        # process is reparented, though it may answer calls a while longer.
-        self._raylet_pid = os.getppid()
-        # `abort` (control thread) and a failed step (step thread) may abort NCCL at once.
-        self._nccl_lock = threading.Lock()
         # The state of the stage before `reset_holding_state`, on its device until `load_moved`.
         self._move_held: dict[str, torch.Tensor] = {}
+
+    def rebind(self, cfg: dict, grid: Grid, rank: int, data_path: str) -> int:
+        """Join another run (`runtime.keep_workers`): a worker `reset` after its last run takes
+        this run's config, grid, rank and data, and keeps nothing else of the last one (its
+        copies in memory, snapshot buffers and peer go). Returns this worker's process id."""
+        if self.runtime is not None or self.borrows_gpu:
+            raise RuntimeError(f"rank {self.rank}: only a worker reset after its run, on a device of its own, "
+                               f"can join another run")
+        self._check_node()
+        self._bind(config_from_dict(cfg), grid, rank, data_path)
+        return os.getpid()
 
     def _shared_copies(self) -> SharedCopies | None:
         """Where this worker's copies in memory go when they should outlive its process

@@ -19,10 +19,12 @@ from raypar.runtime.report import StepReport, Unit, complete_report, label_spans
 from raypar.schedule import Action
 from raypar.topology import Grid
 
+from . import worker_pool
 from .checkpoints import WorkerCheckpoints
 from .memory import WorkerMemory
 from .placement import Placement, Slot, kill, slot_key
 from .reserve import WorkerReserve
+from .worker_pool import KeptPlacement
 
 # How often a wait for all workers looks for one that already failed.
 _ERROR_POLL_S = 0.1
@@ -59,16 +61,35 @@ class WorkerGroup:
         # lost: a borrowing standby takes its GPU once its process has ended.
         self.slot_owner: dict[tuple[str, int], dict] = {}
         try:
-            self.slots = self.placement.reserve(grid.size, per_node=grid.tp)
-            self.workers = [self.start_worker(slot, rank) for rank, slot in enumerate(self.slots)]
+            kept = worker_pool.take(resources, grid.size, grid.tp) if cfg.runtime.keep_workers else []
+            for k in kept:
+                self.slots += self.placement.adopt(k.pg, k.strategy)
+                self.workers += k.workers
+            self.slots += self.placement.reserve(grid.size - len(self.slots), per_node=grid.tp)
+            self.workers += [self.start_worker(slot, rank) for rank, slot in enumerate(self.slots)
+                             if rank >= len(self.workers)]
+            self._rebind_kept(sum(len(k.workers) for k in kept))
             self.setup(fresh=True, init_weights=init_weights)
             self.reserve.start_standbys(cfg.elastic.standby_workers)
         except BaseException:
-            self.shutdown()  # the caller never gets this group: release what it holds
+            self.shutdown(keep_workers=False)  # the caller never gets this group: release what it holds
             raise
 
     def start_worker(self, slot: Slot, rank: int, borrows_gpu: bool = False):
         return self.placement.start_worker(slot, self.cfg, self.grid, rank, self.data_path, borrows_gpu)
+
+    def _rebind_kept(self, n: int) -> None:
+        """Ranks 0 .. n-1 are kept workers of an earlier run: this run's from now on. One that
+        fails to answer is replaced by a worker started in its bundle."""
+        refs = [self.workers[rank].rebind.remote(self.cfg.to_dict(), self.grid, rank, self.data_path)
+                for rank in range(n)]
+        ray.wait(refs, num_returns=n, timeout=worker_pool.ANSWER_TIMEOUT_S)
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - lost or stuck since it was kept: start another
+                kill(self.workers[rank])
+                self.workers[rank] = self.start_worker(self.slots[rank], rank)
 
     def setup(self, fresh: bool, init_weights: bool) -> None:
         """Wire the process groups of the current grid and build every worker's stage
@@ -238,21 +259,52 @@ class WorkerGroup:
                 raise StepTimeout(f"{what}: stage workers of ranks {late} did not answer within {timeout:g}s")
         return [results[r] for r in refs]
 
-    def shutdown(self, keep_memory: bool = False) -> None:
+    def shutdown(self, keep_memory: bool = False, keep_workers: bool | None = None) -> None:
         """Kill the workers and give back what the group holds. Their states in shared memory
-        go too, unless `keep_memory` (a recovery that starts every worker again restores from them)."""
+        go too, unless `keep_memory` (a recovery that starts every worker again restores from them).
+        `keep_workers` (None: `runtime.keep_workers`): leave the workers, reset, for the next
+        group of this process (`worker_pool`) rather than killing them."""
         e = self.cfg.elastic
         if not keep_memory and e.enabled and e.memory_every > 0 and e.memory_shared and self.workers:
             # Each live worker removes its node's files; one that does not answer leaves them
             # to the run's next `clear` on that node.
             ray.wait([w.clear_memory.remote(True) for w in self.workers], num_returns=len(self.workers),
                      timeout=_DROP_MEMORY_S)
+        keep = self.cfg.runtime.keep_workers if keep_workers is None else keep_workers
+        kept = self._keep_workers() if keep and self.workers else set()
         for w in [*self.workers, *self.reserve.actors()]:
-            kill(w)
+            if id(w) not in kept:
+                kill(w)
         self.workers = []
         self.reserve.clear()
         self.checkpoints.shutdown()
         self.placement.release()
+
+
+    def _keep_workers(self) -> set[int]:
+        """Reset the workers of every placement group whose bundles all hold one of this
+        group's workers and hand those groups to `worker_pool`; the ids of the workers kept."""
+        by_group: dict[str, dict[int, object]] = {}
+        for (pg, bundle), w in zip(self.slots, self.workers):
+            by_group.setdefault(pg.id.hex(), {})[bundle] = w
+        whole = [pg for pg in self.placement.owned() if len(by_group.get(pg.id.hex(), {})) == len(pg.bundle_specs)]
+        resets = {pg.id.hex(): [w.reset.remote(self.reserve.salvages) for w in by_group[pg.id.hex()].values()]
+                  for pg in whole}
+        every = [ref for refs in resets.values() for ref in refs]
+        if every:
+            ray.wait(every, num_returns=len(every), timeout=worker_pool.ANSWER_TIMEOUT_S)
+        kept: set[int] = set()
+        for pg in whole:
+            try:
+                ray.get(resets[pg.id.hex()], timeout=0)
+            except Exception:  # noqa: BLE001 - a worker that cannot reset ends with the run
+                continue
+            workers = [by_group[pg.id.hex()][i] for i in range(len(pg.bundle_specs))]
+            worker_pool.keep(KeptPlacement(pg, self.placement.strategies[pg.id.hex()], self.resources.device,
+                                           workers))
+            self.placement.hand_over(pg)
+            kept |= {id(w) for w in workers}
+        return kept
 
 
 # How long a shutdown waits for the workers to remove the run's states from shared memory.

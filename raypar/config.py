@@ -171,6 +171,10 @@ class RuntimeConfig:
     num_cpus: int | None = None
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local cluster
     placement_timeout_s: float = 30.0  # longest wait for the cluster to place all workers
+    # Leave the stage workers (processes, imports, CUDA contexts) idle when a run finishes, for
+    # the next run of this driver process to take in a fraction of a second instead of
+    # starting them again; they hold their resources until that run starts or the driver ends.
+    keep_workers: bool = False
     collective_timeout_s: float = 120.0  # longest wait in a p2p exchange or collective
     step_timeout_s: float = 600.0  # longest wait for every worker to finish a step
     # Steps sent to the workers before the running one's reports are back. 1: workers start

@@ -20,6 +20,9 @@ def ray_session():
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True)
     yield ray
+    from raypar.actors import worker_pool
+
+    worker_pool.release()
     ray.shutdown()
 
 

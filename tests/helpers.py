@@ -30,7 +30,9 @@ def tiny_config(tmp_path, **sections) -> Config:
         "train": {"steps": 6, "global_batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
         "data": {"seq_len": 8, "synthetic_samples": 256},
         "runtime": {"run_dir": str(tmp_path / "run"), "device": "cpu", "cpus_per_worker": WORKER_CPUS,
-                    "collective_timeout_s": 60.0, "step_timeout_s": 120.0},
+                    "collective_timeout_s": 60.0, "step_timeout_s": 120.0,
+                    # One worker process serves many tests' groups: starting one costs ~3 s of CPU.
+                    "keep_workers": True},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)

@@ -24,6 +24,7 @@ from typing import IO, Callable
 
 import ray
 
+from raypar.actors import worker_pool
 from raypar.actors.memory import shared_memory_notes
 from raypar.actors.worker_group import StepTimeout, WorkerGroup, WorkersLost, is_echo
 from raypar.checkpoint import read_manifest
@@ -201,7 +202,7 @@ class Controller:
                         break
                     self.states.to(State.GROWING, f"resources for {grow_to}")
                     self.saver.finish()
-                    self._shutdown()
+                    self._shutdown(keep_workers=self.cfg.runtime.keep_workers)  # the larger grid takes them
                     self._memory_steps = {}  # held by the workers just shut down
                     self._next_plan = grow_to
                     self.states.to(State.PLANNING)
@@ -214,7 +215,7 @@ class Controller:
                 self._write_status(self._max_step_done)
             raise
         finally:
-            self._shutdown()
+            self._shutdown(keep_workers=self.cfg.runtime.keep_workers and self.states.state is State.FINISHED)
         return records, consumed
 
     def _steps(self, start: int, consumed: int, order: SampleOrder, records: list[StepRecord], metrics: IO[str],
@@ -448,8 +449,12 @@ class Controller:
         e = self.cfg.elastic
         deadline = time.monotonic() + e.resource_timeout_s
         while True:
-            # Workers kept after a failure (and their free bundles) count beside free resources.
-            slots = self._slots(ray.available_resources()) + (self.group.reserve.usable_slots() if self.group else 0)
+            # Workers kept after a failure (and their free bundles) count beside free resources,
+            # as do those an earlier run of this process left (`runtime.keep_workers`).
+            free = ray.available_resources()
+            for key, amount in worker_pool.held_resources().items():
+                free[key] = free.get(key, 0.0) + amount
+            slots = self._slots(free) + (self.group.reserve.usable_slots() if self.group else 0)
             plan = plan_grid(self.base_cfg, slots, e.min_workers, self._node_room())
             if plan is not None:
                 return plan
@@ -563,9 +568,9 @@ class Controller:
         setups = [i["setup_s"] for i in self.group.info if "setup_s" in i]
         return {k: max(s[k] for s in setups) for k in setups[0]} if setups else {}
 
-    def _shutdown(self, keep_memory: bool = False) -> None:
+    def _shutdown(self, keep_memory: bool = False, keep_workers: bool = False) -> None:
         if self.group is not None:
-            self.group.shutdown(keep_memory)
+            self.group.shutdown(keep_memory, keep_workers)
             self.group = None
 
     # -- failures ------------------------------------------------------------------------------

@@ -47,6 +47,16 @@ class Trainer:
         """
         return self._controller.fit()
 
+    @staticmethod
+    def release_kept_workers() -> int:
+        """End the workers that runs with `runtime.keep_workers` left idle in this process
+        (the next such run would take them); returns how many there were."""
+        from raypar.actors import worker_pool
+
+        n = worker_pool.kept_workers()
+        worker_pool.release()
+        return n
+
     def request_stop(self, save: bool = True) -> None:
         """End the run (from a callback) after the steps already sent to the workers: with
         `runtime.steps_ahead=1`, the one after the step just reported. With `save`, checkpoint

@@ -1,0 +1,121 @@
+"""runtime.keep_workers: a finished run leaves its workers for the next run of the driver
+process, which takes them instead of starting processes, and trains as fresh workers do."""
+import os
+import time
+
+import pytest
+import ray
+
+from raypar import Callback, Trainer
+from raypar.actors import worker_pool
+from raypar.data import write_synthetic_corpus
+
+from helpers import last_loss_per_step, run_config, start_group, synthetic_data, tiny_config
+
+
+class WorkerPids(Callback):
+    """The process id of each rank's worker when the run starts."""
+
+    def on_train_start(self, trainer):
+        self.pids = [info["pid"] for info in trainer.group.info]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def ended(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every process of `pids` ends within the timeout (Ray's kills are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
+@pytest.fixture
+def data(tmp_path):
+    cfg = run_config(tmp_path, "probe", (1, 2, 1), 1)
+    write_synthetic_corpus(tmp_path / "data.parquet", cfg.data.synthetic_samples, cfg.data.seq_len,
+                           cfg.model.vocab_size, seed=1)
+
+
+def fit(tmp_path, name: str, keep: bool, **sections):
+    cfg = run_config(tmp_path, name, (1, 2, 1), 4, runtime={**sections.pop("runtime", {}), "keep_workers": keep},
+                     **sections)
+    pids = WorkerPids()
+    summary = Trainer(cfg, callbacks=[pids]).fit()
+    return summary, pids.pids
+
+
+def test_a_second_run_takes_the_first_runs_workers_and_trains_as_fresh_workers(ray_session, tmp_path, data):
+    worker_pool.release()
+    fresh, fresh_pids = fit(tmp_path, "fresh", keep=False)
+    assert worker_pool.kept_workers() == 0 and ended(fresh_pids)
+
+    first, first_pids = fit(tmp_path, "first", keep=True, model={"dropout": 0.1})
+    assert worker_pool.kept_workers() == 2 and all(alive(p) for p in first_pids)
+    # Another model (dropout) and run directory, with checkpoints and copies in memory: none
+    # of the first run's state may leak into it.
+    second, second_pids = fit(tmp_path, "second", keep=True, checkpoint={"every": 2},
+                              elastic={"enabled": True, "memory_every": 1})
+    assert second_pids == first_pids
+    assert last_loss_per_step(second) == last_loss_per_step(fresh)
+    assert last_loss_per_step(first) != last_loss_per_step(fresh)  # dropout: another model
+
+    assert Trainer.release_kept_workers() == 2 and worker_pool.kept_workers() == 0
+    assert ended(second_pids)
+
+
+def test_a_kept_worker_that_died_is_started_again_and_other_shapes_are_released(ray_session, tmp_path):
+    worker_pool.release()
+    cfg = tiny_config(tmp_path, parallel={"pp": 2})
+    dataset = synthetic_data(tmp_path, cfg)
+    group = start_group(cfg, dataset)
+    pids = [info["pid"] for info in group.info]
+    group.shutdown()
+    assert worker_pool.kept_workers() == 2
+
+    # A kept worker dies while it waits: its placement group goes whole, the next group
+    # starts its own, and trains.
+    ray.kill(worker_pool._kept[0].workers[1])
+    group = start_group(cfg, dataset)
+    try:
+        assert not {info["pid"] for info in group.info} & set(pids)
+    finally:
+        group.shutdown()
+
+    # One worker of another size (CPUs per worker): the kept two do not fit it and go.
+    pids = [info["pid"] for info in group.info]
+    other = tiny_config(tmp_path, parallel={"pp": 1}, runtime={"cpus_per_worker": 0.5, "keep_workers": True})
+    group = start_group(other, dataset)
+    try:
+        assert group.info[0]["pid"] not in pids and worker_pool.kept_workers() == 0
+    finally:
+        group.shutdown(keep_workers=False)
+    assert worker_pool.kept_workers() == 0
+
+
+def test_a_smaller_grid_takes_part_of_the_kept_workers(ray_session, tmp_path):
+    """Kept placement groups are taken whole: a 4-worker group's two 2-worker groups serve a
+    2-worker grid and a 4-worker one alike."""
+    worker_pool.release()
+    cfg2 = tiny_config(tmp_path, parallel={"pp": 2})
+    dataset = synthetic_data(tmp_path, cfg2)
+    group = start_group(cfg2, dataset)
+    pair = [info["pid"] for info in group.info]
+    group.shutdown()
+    cfg4 = tiny_config(tmp_path, parallel={"pp": 2, "dp": 2}, train={"global_batch_size": 16})
+    group = start_group(cfg4, dataset)
+    four = [info["pid"] for info in group.info]
+    group.shutdown()
+    assert four[:2] == pair and worker_pool.kept_workers() == 4
+    group = start_group(cfg2, dataset)
+    try:
+        # The kept groups are of 2 and 2 workers (the 4-worker grid placed 2 more): one serves.
+        assert {info["pid"] for info in group.info} <= set(four)
+    finally:
+        group.shutdown()
