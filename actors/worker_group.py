@@ -61,7 +61,9 @@ class WorkerGroup:
         # lost: a borrowing standby takes its GPU once its process has ended.
         self.slot_owner: dict[tuple[str, int], dict] = {}
         try:
-            kept = worker_pool.take(resources, grid.size, grid.tp) if cfg.runtime.keep_workers else []
+            # Workers an earlier group of this process left (`runtime.keep_workers`, or a run
+            # growing onto a larger grid).
+            kept = worker_pool.take(resources, grid.size, grid.tp)
             for k in kept:
                 self.slots += self.placement.adopt(k.pg, k.strategy)
                 self.workers += k.workers

@@ -74,9 +74,10 @@ def take(resources: WorkerResources, n: int, per_node: int) -> list[KeptPlacemen
     strategy, size = group_shape(n, per_node)
     candidates, chosen, room = _current(), [], n
     for k in sorted(candidates, key=lambda k: -len(k.workers)):
-        shaped = len(k.workers) == size if strategy == "STRICT_PACK" else len(k.workers) <= room
-        if (k.device == resources.device and k.bundle == resources.bundle() and k.strategy == strategy
-                and shaped and len(k.workers) <= room):
+        if k.device != resources.device or k.bundle != resources.bundle() or len(k.workers) > room:
+            continue
+        # A packed group takes any kept group; a tp cell only one of its size on one node.
+        if strategy == "PACK" or (len(k.workers) == size and _on_one_node(k)):
             chosen.append(k)
             room -= len(k.workers)
     answering = _answering(chosen)
@@ -95,6 +96,13 @@ def _current() -> list[KeptPlacement]:
     current = [k for k in _kept if k.session == session]
     _kept.clear()
     return current
+
+
+def _on_one_node(k: KeptPlacement) -> bool:
+    if k.strategy == "STRICT_PACK":
+        return True
+    nodes = ray.util.placement_group_table(k.pg).get("bundles_to_node_id", {})
+    return len(nodes) == len(k.workers) and len(set(nodes.values())) == 1
 
 
 def _answering(groups: list[KeptPlacement]) -> list[KeptPlacement]:

@@ -396,12 +396,15 @@ def test_tensor_parallel_stages_match_single_process(ray_session, tmp_path, grid
     from test_pipeline_equivalence import run_plan
 
     def holds_slices(group, ref):
-        # A cell's tp workers are a placement group of their own, kept on one node.
+        # A cell's tp workers are a placement group of their own, kept on one node: placed
+        # STRICT_PACK, or kept from an earlier group (`runtime.keep_workers`) whose bundles share a node.
         import ray
 
         cells = [group.slots[r][0].id.hex() for r in range(0, group.grid.size, 2)]
         assert [s[0].id.hex() for s in group.slots] == [c for c in cells for _ in range(2)]
-        assert {ray.util.placement_group_table(s[0])["strategy"] for s in group.slots} == {"STRICT_PACK"}
+        for slot in group.slots:
+            table = ray.util.placement_group_table(slot[0])
+            assert table["strategy"] == "STRICT_PACK" or len(set(table["bundles_to_node_id"].values())) == 1
         # Each replica's tp workers hold the model once, but for the norms every one holds
         # whole: not a copy of their stage each. (ep > 1: the dense parts are on every ep rank;
         # MoE layers are whole on every tp rank.)

@@ -202,7 +202,7 @@ class Controller:
                         break
                     self.states.to(State.GROWING, f"resources for {grow_to}")
                     self.saver.finish()
-                    self._shutdown(keep_workers=self.cfg.runtime.keep_workers)  # the larger grid takes them
+                    self._shutdown(keep_workers=True)  # the larger grid's group takes them
                     self._memory_steps = {}  # held by the workers just shut down
                     self._next_plan = grow_to
                     self.states.to(State.PLANNING)

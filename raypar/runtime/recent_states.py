@@ -159,7 +159,12 @@ class RecentStates:
                         self._sending_step = step
                     self._evict()
                     if self.shared is not None:
-                        self.shared.commit(slot, rank, step, generation, free.host_tensors())
+                        try:
+                            self.shared.commit(slot, rank, step, generation, free.host_tensors())
+                        except Exception:
+                            if self.shared.own_dir.exists():
+                                raise
+                            return  # the run ended and another worker removed its files: nothing to keep
                     whole = True
             finally:
                 with self._lock:
