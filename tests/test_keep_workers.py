@@ -70,21 +70,35 @@ def test_a_second_run_takes_the_first_runs_workers_and_trains_as_fresh_workers(r
     assert ended(second_pids)
 
 
-def test_a_kept_worker_that_died_is_started_again_and_other_shapes_are_released(ray_session, tmp_path):
+def test_kept_groups_serve_smaller_and_larger_grids_a_dead_one_is_replaced_other_shapes_go(ray_session, tmp_path):
     worker_pool.release()
-    cfg = tiny_config(tmp_path, parallel={"pp": 2})
-    dataset = synthetic_data(tmp_path, cfg)
-    group = start_group(cfg, dataset)
-    pids = [info["pid"] for info in group.info]
+    cfg2 = tiny_config(tmp_path, parallel={"pp": 2})
+    dataset = synthetic_data(tmp_path, cfg2)
+    group = start_group(cfg2, dataset)
+    pair = [info["pid"] for info in group.info]
     group.shutdown()
     assert worker_pool.kept_workers() == 2
 
-    # A kept worker dies while it waits: its placement group goes whole, the next group
-    # starts its own, and trains.
-    ray.kill(worker_pool._kept[0].workers[1])
-    group = start_group(cfg, dataset)
+    # A 4-worker grid takes the kept pair and places two more; both placement groups are
+    # kept whole after it, and a 2-worker grid takes one of them.
+    cfg4 = tiny_config(tmp_path, parallel={"pp": 2, "dp": 2}, train={"global_batch_size": 16})
+    group = start_group(cfg4, dataset)
+    four = [info["pid"] for info in group.info]
+    group.shutdown()
+    assert four[:2] == pair and worker_pool.kept_workers() == 4
+    group = start_group(cfg2, dataset)
     try:
-        assert not {info["pid"] for info in group.info} & set(pids)
+        assert {info["pid"] for info in group.info} <= set(four) and worker_pool.kept_workers() == 0
+    finally:
+        group.shutdown()
+
+    # A kept worker dies while it waits: its placement group goes whole, and the next group
+    # starts its own workers.
+    kept = [info["pid"] for info in group.info]
+    ray.kill(worker_pool._kept[0].workers[1])
+    group = start_group(cfg2, dataset)
+    try:
+        assert not {info["pid"] for info in group.info} & set(kept)
     finally:
         group.shutdown()
 
@@ -96,26 +110,4 @@ def test_a_kept_worker_that_died_is_started_again_and_other_shapes_are_released(
         assert group.info[0]["pid"] not in pids and worker_pool.kept_workers() == 0
     finally:
         group.shutdown(keep_workers=False)
-    assert worker_pool.kept_workers() == 0
-
-
-def test_a_smaller_grid_takes_part_of_the_kept_workers(ray_session, tmp_path):
-    """Kept placement groups are taken whole: a 4-worker group's two 2-worker groups serve a
-    2-worker grid and a 4-worker one alike."""
-    worker_pool.release()
-    cfg2 = tiny_config(tmp_path, parallel={"pp": 2})
-    dataset = synthetic_data(tmp_path, cfg2)
-    group = start_group(cfg2, dataset)
-    pair = [info["pid"] for info in group.info]
-    group.shutdown()
-    cfg4 = tiny_config(tmp_path, parallel={"pp": 2, "dp": 2}, train={"global_batch_size": 16})
-    group = start_group(cfg4, dataset)
-    four = [info["pid"] for info in group.info]
-    group.shutdown()
-    assert four[:2] == pair and worker_pool.kept_workers() == 4
-    group = start_group(cfg2, dataset)
-    try:
-        # The kept groups are of 2 and 2 workers (the 4-worker grid placed 2 more): one serves.
-        assert {info["pid"] for info in group.info} <= set(four)
-    finally:
-        group.shutdown()
+    assert worker_pool.kept_workers() == 0 and ended(pids)
