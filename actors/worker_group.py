@@ -282,7 +282,6 @@ class WorkerGroup:
         self.checkpoints.shutdown()
         self.placement.release()
 
-
     def _keep_workers(self) -> set[int]:
         """Reset the workers of every placement group whose bundles all hold one of this
         group's workers and hand those groups to `worker_pool`; the ids of the workers kept."""
