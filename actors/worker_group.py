@@ -22,7 +22,7 @@ from raypar.topology import Grid
 from . import worker_pool
 from .checkpoints import WorkerCheckpoints
 from .memory import WorkerMemory
-from .placement import Placement, Slot, kill, slot_key
+from .placement import Placement, Slot, bundle_free, kill, slot_key
 from .reserve import WorkerReserve
 from .worker_pool import KeptPlacement
 
@@ -67,10 +67,12 @@ class WorkerGroup:
             for k in kept:
                 self.slots += self.placement.adopt(k.pg, k.strategy)
                 self.workers += k.workers
+            rebind = [rank for rank, w in enumerate(self.workers) if w is not None]
             self.slots += self.placement.reserve(grid.size - len(self.slots), per_node=grid.tp)
-            self.workers += [self.start_worker(slot, rank) for rank, slot in enumerate(self.slots)
-                             if rank >= len(self.workers)]
-            self._rebind_kept(sum(len(k.workers) for k in kept))
+            self.workers += [None] * (len(self.slots) - len(self.workers))
+            self.workers = [w if w is not None else self.start_worker(slot, rank)
+                            for rank, (slot, w) in enumerate(zip(self.slots, self.workers))]
+            self._rebind_kept(rebind)
             self.setup(fresh=True, init_weights=init_weights)
             self.reserve.start_standbys(cfg.elastic.standby_workers)
         except BaseException:
@@ -80,13 +82,13 @@ class WorkerGroup:
     def start_worker(self, slot: Slot, rank: int, borrows_gpu: bool = False):
         return self.placement.start_worker(slot, self.cfg, self.grid, rank, self.data_path, borrows_gpu)
 
-    def _rebind_kept(self, n: int) -> None:
-        """Ranks 0 .. n-1 are kept workers of an earlier run: this run's from now on. One that
-        fails to answer is replaced by a worker started in its bundle."""
+    def _rebind_kept(self, ranks: list[int]) -> None:
+        """The workers of `ranks` were kept from an earlier run: this run's from now on. One
+        that fails to answer is replaced by a worker started in its bundle."""
         refs = [self.workers[rank].rebind.remote(self.cfg.to_dict(), self.grid, rank, self.data_path)
-                for rank in range(n)]
-        ray.wait(refs, num_returns=n, timeout=worker_pool.ANSWER_TIMEOUT_S)
-        for rank, ref in enumerate(refs):
+                for rank in ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=worker_pool.ANSWER_TIMEOUT_S)
+        for rank, ref in zip(ranks, refs):
             try:
                 ray.get(ref, timeout=0)
             except Exception:  # noqa: BLE001 - lost or stuck since it was kept: start another
@@ -283,12 +285,20 @@ class WorkerGroup:
         self.placement.release()
 
     def _keep_workers(self) -> set[int]:
-        """Reset the workers of every placement group whose bundles all hold one of this
-        group's workers and hand those groups to `worker_pool`; the ids of the workers kept."""
+        """Reset the workers of every placement group each of whose bundles holds one of this
+        group's workers or is placed with nothing in it (a lost node's, placed again), and hand
+        those groups to `worker_pool`; the ids of the workers kept."""
         by_group: dict[str, dict[int, object]] = {}
         for (pg, bundle), w in zip(self.slots, self.workers):
             by_group.setdefault(pg.id.hex(), {})[bundle] = w
-        whole = [pg for pg in self.placement.owned() if len(by_group.get(pg.id.hex(), {})) == len(pg.bundle_specs)]
+        available = ray.available_resources()
+
+        def keepable(pg) -> bool:
+            held = by_group.get(pg.id.hex(), {})
+            return bool(held) and all(i in held or bundle_free((pg, i), available)
+                                      for i in range(len(pg.bundle_specs)))
+
+        whole = [pg for pg in self.placement.owned() if keepable(pg)]
         resets = {pg.id.hex(): [w.reset.remote(self.reserve.salvages) for w in by_group[pg.id.hex()].values()]
                   for pg in whole}
         every = [ref for refs in resets.values() for ref in refs]
@@ -300,11 +310,11 @@ class WorkerGroup:
                 ray.get(resets[pg.id.hex()], timeout=0)
             except Exception:  # noqa: BLE001 - a worker that cannot reset ends with the run
                 continue
-            workers = [by_group[pg.id.hex()][i] for i in range(len(pg.bundle_specs))]
+            workers = [by_group[pg.id.hex()].get(i) for i in range(len(pg.bundle_specs))]
             worker_pool.keep(KeptPlacement(pg, self.placement.strategies[pg.id.hex()], self.resources.device,
                                            workers))
             self.placement.hand_over(pg)
-            kept |= {id(w) for w in workers}
+            kept |= {id(w) for w in workers if w is not None}
         return kept
 
 

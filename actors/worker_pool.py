@@ -6,7 +6,9 @@ a CUDA context and the kernels: seconds a worker, every run. A group that ends w
 and leaves them here with their placement groups; the next group of this process takes
 those that fit it and rebinds them to its run (`StageWorker.rebind`).
 
-A placement group is kept whole, every bundle holding a live worker, or not at all. What
+A placement group is kept whole or not at all: every bundle holds a live worker, or is
+placed with nothing in it (a lost node's bundle Ray placed again, where the next group
+starts a worker). What
 the next group does not take is released when that group starts, so kept workers hold
 their resources only between two runs; `release()` lets them go at once.
 """
@@ -26,12 +28,13 @@ ANSWER_TIMEOUT_S = 10.0
 
 @dataclass
 class KeptPlacement:
-    """One placement group and the reset worker in each of its bundles."""
+    """One placement group and the reset worker in each of its bundles (None in a bundle
+    placed with no worker)."""
 
     pg: object
     strategy: str
     device: str
-    workers: list  # actor handles, by bundle index
+    workers: list  # actor handles or None, by bundle index
     session: tuple[str, str] = ("", "")  # the Ray job that kept them (`_session`)
 
     @property
@@ -55,7 +58,7 @@ def _session() -> tuple[str, str]:
 
 def kept_workers() -> int:
     """How many workers wait here for the next run."""
-    return sum(len(k.workers) for k in _kept)
+    return sum(w is not None for k in _kept for w in k.workers)
 
 
 def held_resources() -> dict[str, float]:
@@ -76,8 +79,8 @@ def take(resources: WorkerResources, n: int, per_node: int) -> list[KeptPlacemen
     for k in sorted(candidates, key=lambda k: -len(k.workers)):
         if k.device != resources.device or k.bundle != resources.bundle() or len(k.workers) > room:
             continue
-        # A packed group takes any kept group; a tp cell only one of its size on one node.
-        if strategy == "PACK" or (len(k.workers) == size and _on_one_node(k)):
+        # A packed group takes any kept group; a tp cell only a whole one of its size on one node.
+        if strategy == "PACK" or (len(k.workers) == size and None not in k.workers and _on_one_node(k)):
             chosen.append(k)
             room -= len(k.workers)
     answering = _answering(chosen)
@@ -107,7 +110,7 @@ def _on_one_node(k: KeptPlacement) -> bool:
 
 def _answering(groups: list[KeptPlacement]) -> list[KeptPlacement]:
     """The groups all of whose workers answer (a lost one takes its whole group out)."""
-    pings = {id(k): [w.__ray_ready__.remote() for w in k.workers] for k in groups}
+    pings = {id(k): [w.__ray_ready__.remote() for w in k.workers if w is not None] for k in groups}
     every = [ref for refs in pings.values() for ref in refs]
     ready, _ = ray.wait(every, num_returns=len(every), timeout=ANSWER_TIMEOUT_S) if every else ([], [])
     done = set(ready)
@@ -125,7 +128,8 @@ def _answering(groups: list[KeptPlacement]) -> list[KeptPlacement]:
 def _release(groups: list[KeptPlacement]) -> None:
     for k in groups:
         for w in k.workers:
-            kill(w)
+            if w is not None:
+                kill(w)
     try:
         remove_groups([k.pg for k in groups])
     except Exception:  # noqa: BLE001 - removed already (the job ended them): nothing is held

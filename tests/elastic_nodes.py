@@ -4,8 +4,9 @@ Run by tests/test_elastic.py in its own process (it needs its own Ray cluster):
     python tests/elastic_nodes.py TMP_DIR
 Prints SHRANK when the run re-planned onto the surviving node (FROM MEMORY when that
 recovery restored the lost node's ranks from the replicas on the other node, redoing at
-most two steps) and GREW when it moved back to the configured grid after a node was added;
-exits non-zero on any failure.
+most two steps) and GREW when it moved back to the configured grid after a node was added
+(ON THE SAME PROCESSES when the grown grid took the smaller grid's workers rather than
+starting them again); exits non-zero on any failure.
 """
 import json
 import sys
@@ -33,6 +34,10 @@ class NodeChaos(Callback):
     def __init__(self, cluster, doomed):
         self.cluster, self.doomed, self.grids = cluster, doomed, []
         self.removed_at: int | None = None
+        self.pids: list[list[int]] = []  # the workers' processes at each (re)start
+
+    def on_train_start(self, trainer):
+        self.pids.append([i["pid"] for i in trainer.group.info])
 
     def on_step_end(self, trainer, record):
         self.grids.append(str(trainer.grid))
@@ -129,6 +134,9 @@ def main(tmp: Path) -> int:
                 print("FROM MEMORY")
         if "GROWING" in summary.controller_states and chaos.grids[-1] == "dp=2 x pp=2 x ep=1":
             print("GREW")
+            print("worker processes at each start:", chaos.pids, flush=True)
+            if set(chaos.pids[-2]) <= set(chaos.pids[-1]):
+                print("ON THE SAME PROCESSES")
         # The lost node's copies in shared memory (one machine: its /dev/shm is still here) go
         # too once its processes have ended.
         left = SHM_ROOT / run_key(cfg.runtime.run_dir)

@@ -383,7 +383,8 @@ def test_state_machine_rejects_impossible_transitions():
 @pytest.mark.timeout(400)
 def test_node_loss_shrinks_and_node_return_grows(tmp_path, data):
     """A two-node cluster on this machine: lose a node mid-run (its ranks come back from the
-    replicas of their states on the other node), get one back later."""
+    replicas of their states on the other node), get one back later and grow onto it,
+    keeping the workers the smaller grid ran on."""
     script = ROOT / "tests" / "elastic_nodes.py"
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                          timeout=380, cwd=ROOT)
@@ -393,6 +394,8 @@ def test_node_loss_shrinks_and_node_return_grows(tmp_path, data):
     assert "SHRANK" in out.stdout and "FROM MEMORY" in out.stdout, said[-6000:]
     assert "LEFT IN SHARED MEMORY" not in out.stdout, said[-6000:]
     assert "GREW" in out.stdout, said[-6000:]
+    # Growing hands the smaller grid's workers to the larger one (`worker_pool`).
+    assert "ON THE SAME PROCESSES" in out.stdout, said[-6000:]
 
 
 def test_a_bundle_counts_as_free_room_while_nothing_runs_in_it(ray_session):
