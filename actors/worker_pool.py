@@ -8,9 +8,8 @@ those that fit it and rebinds them to its run (`StageWorker.rebind`).
 
 A placement group is kept whole or not at all: every bundle holds a live worker, or is
 placed with nothing in it (a lost node's bundle Ray placed again, where the next group
-starts a worker). What
-the next group does not take is released when that group starts, so kept workers hold
-their resources only between two runs; `release()` lets them go at once.
+starts a worker). What the next group does not take is released when that group starts,
+so kept workers hold their resources only between two runs; `release()` lets them go at once.
 """
 from __future__ import annotations
 

@@ -74,15 +74,14 @@ def table(results: list[dict]) -> str:
         lines += ["", f"Runs after a launch's first, median to first step: kept {kept:.2f} s, started {started:.2f} s: "
                       f"**{kept / started:.3f}** of the time."]
     # bf16 on a GPU: runs started afresh differ in the last digits too (atomic adds in backward).
-    runs = [r["losses"] for res in results for r in res["runs"]]
-    spread = max((max(step) - min(step)) / abs(min(step)) for step in zip(*runs))
-    lines += ["", f"Largest spread of a step's loss over all runs: {spread:.1e} of it "
+    lines += ["", f"Largest spread of a step's loss over all runs: {_spread(results):.1e} of it "
                   f"(started: {_spread(results, 'started'):.1e}, kept: {_spread(results, 'kept'):.1e})."]
     return "\n".join(lines) + "\n"
 
 
-def _spread(results: list[dict], kind: str) -> float:
-    runs = [r["losses"] for res in results if res["kind"] == kind for r in res["runs"]]
+def _spread(results: list[dict], kind: str | None = None) -> float:
+    """The largest spread of one step's loss over the runs (of `kind`, else all), relative to it."""
+    runs = [r["losses"] for res in results if kind in (None, res["kind"]) for r in res["runs"]]
     return max((max(step) - min(step)) / abs(min(step)) for step in zip(*runs)) if runs else float("nan")
 
 

@@ -1,6 +1,5 @@
 """runtime.keep_workers: a finished run leaves its workers for the next run of the driver
 process, which takes them instead of starting processes, and trains as fresh workers do."""
-import os
 import time
 
 import pytest
@@ -8,7 +7,7 @@ import ray
 
 from raypar import Callback, Trainer
 from raypar.actors import worker_pool
-from raypar.data import write_synthetic_corpus
+from raypar.runtime.shared_copies import process_running
 
 from helpers import last_loss_per_step, run_config, start_group, synthetic_data, tiny_config
 
@@ -20,27 +19,17 @@ class WorkerPids(Callback):
         self.pids = [info["pid"] for info in trainer.group.info]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def ended(pids: list[int], timeout_s: float = 10.0) -> bool:
     """Whether every process of `pids` ends within the timeout (Ray's kills are asynchronous)."""
     deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not any(alive(p) for p in pids)
+    return not any(process_running(p) for p in pids)
 
 
 @pytest.fixture
 def data(tmp_path):
-    cfg = run_config(tmp_path, "probe", (1, 2, 1), 1)
-    write_synthetic_corpus(tmp_path / "data.parquet", cfg.data.synthetic_samples, cfg.data.seq_len,
-                           cfg.model.vocab_size, seed=1)
+    synthetic_data(tmp_path, run_config(tmp_path, "probe", (1, 2, 1), 1))
 
 
 def fit(tmp_path, name: str, keep: bool, **sections):
@@ -57,7 +46,7 @@ def test_a_second_run_takes_the_first_runs_workers_and_trains_as_fresh_workers(r
     assert worker_pool.kept_workers() == 0 and ended(fresh_pids)
 
     first, first_pids = fit(tmp_path, "first", keep=True, model={"dropout": 0.1})
-    assert worker_pool.kept_workers() == 2 and all(alive(p) for p in first_pids)
+    assert worker_pool.kept_workers() == 2 and all(process_running(p) for p in first_pids)
     # Another model (dropout) and run directory, with checkpoints and copies in memory: none
     # of the first run's state may leak into it.
     second, second_pids = fit(tmp_path, "second", keep=True, checkpoint={"every": 2},
