@@ -232,6 +232,13 @@ class RuntimeConfig:
     # activation recompute, the exact all-to-all, split backward (I/W), or a schedule that
     # keeps several micro-batches live (docs/concepts.md).
     cuda_graphs: bool = True
+    # With those graphs, on MoE layers with parallel.ep > 1 (tp=1): consecutive micro-batches
+    # replay on two streams, each forward beside the previous micro-batch's backward, so
+    # one's all-to-all waits while the other computes (the backward's exchanges run on a
+    # communicator of their own). Costs one more micro-batch of activations, a second graph
+    # set and a second ep communicator; the results are the same (backwards still add into
+    # the gradients in micro-batch order).
+    moe_microbatch_overlap: bool = True
 
 
 @dataclass

@@ -63,11 +63,12 @@ def _steps(cfg, tmp_path, plan):
         group.shutdown()
 
 
-def _moe_config(tmp_path, dtype, top_k, graphs=True):
+def _moe_config(tmp_path, dtype, top_k, graphs=True, overlap=True):
     return tiny_config(tmp_path, model={**MOE, "moe_top_k": top_k, "moe_ffn_dim": 64, "dropout": 0.1, "dtype": dtype},
                        parallel={"dp": 1, "pp": 1, "ep": 2, "microbatches": 4},
                        train={"global_batch_size": 16, "eps": ADAM_EPS},
-                       runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs})
+                       runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs,
+                                "moe_microbatch_overlap": overlap})
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -95,6 +96,31 @@ def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
             assert r.alltoall_bytes == e.alltoall_bytes > 0, where
     for name, w in eager_weights.items():
         torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
+
+
+def test_overlapped_microbatches_equal_one_after_another(ray_session, tmp_path):
+    """runtime.moe_microbatch_overlap at ep=2: each graphed forward replays on the device
+    beside the previous micro-batch's backward (it starts before that backward ends), and
+    losses, gradients, MoE counters and weights equal the same graphs run one after another."""
+    _need_gpus(2)
+    plan = [("1f1b", 4), ("1f1b", 4), ("1f1b", 2), ("1f1b", 4)]  # the count changing captures anew
+    on, on_weights = _steps(_moe_config(tmp_path / "on", "bfloat16", 2), tmp_path / "on", plan)
+    off, off_weights = _steps(_moe_config(tmp_path / "off", "bfloat16", 2, overlap=False), tmp_path / "off", plan)
+    for step, ((_, m), (loss, grads, reports), (off_loss, off_grads, off_reports)) in enumerate(zip(plan, on, off)):
+        where = f"step {step} ({m} micro-batches)"
+        assert [r.graphed_microbatches for r in reports] == [m, m], where
+        for r, o in zip(reports, off_reports):
+            # Units F0 B0 F1 B1 ...: times hold (start, end) of each, on the device's clock.
+            start = lambda unit, t=r.times: t[2 * unit]  # noqa: E731
+            end = lambda unit, t=r.times: t[2 * unit + 1]  # noqa: E731
+            beside = [start(2 * (i + 1)) < end(2 * i + 1) for i in range(m - 1)]
+            assert any(beside), f"{where}: no forward started before the previous backward ended ({r.times})"
+            assert r.expert_tokens == o.expert_tokens and r.alltoall_bytes == o.alltoall_bytes > 0, where
+        assert loss == pytest.approx(off_loss, rel=1e-3), where
+        for name, g in off_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"{where} {name}: {m_}")
+    for name, w in off_weights.items():
+        torch.testing.assert_close(on_weights[name], w, rtol=2e-2, atol=1e-3)
 
 
 def test_fp32_moe_on_gpu_runs_eagerly_and_matches_reference(ray_session, tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raypar.model.moe import MoEStats
-from raypar.runtime.graphs import graphs_blocked
+from raypar.runtime.graphs import graphs_blocked, overlap_blocked, wants_backward_ep_group
 from raypar.runtime.memory import ActivationTracker
 from raypar.schedule import build_programs
 from raypar.topology import Grid
@@ -62,3 +62,42 @@ def test_graphed_microbatches_count_in_live_activations():
     assert tracker.sample() == 500 and tracker.peak_bytes == 1500 and tracker.live_microbatches() == 1
     tracker.clear()
     assert tracker.live_bytes() == 0
+
+
+def _overlap(tmp_path, grid=(1, 1, 2), tp=1, m=4, has_moe=True, has_group=True, **sections):
+    dp, pp, ep = grid
+    cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp},
+                      train={"global_batch_size": 16}, **sections)
+    return overlap_blocked(cfg, Grid(dp, pp, ep, tp), has_moe, m, has_group)
+
+
+def test_graphed_moe_microbatches_overlap_at_ep2(tmp_path):
+    assert _overlap(tmp_path) is None
+    assert _overlap(tmp_path, grid=(2, 1, 2)) is None
+
+
+@pytest.mark.parametrize("case, why", [
+    (dict(runtime={"moe_microbatch_overlap": False}), "moe_microbatch_overlap is off"),
+    (dict(grid=(2, 1, 1)), "no all-to-all to hide"),
+    (dict(has_moe=False), "no all-to-all to hide"),
+    (dict(tp=2), "parallel.tp > 1"),
+    (dict(m=1), "one micro-batch"),
+    (dict(has_group=False), "no second ep communicator"),
+], ids=["off", "ep1", "dense", "tp2", "one-microbatch", "no-group"])
+def test_what_keeps_graphed_microbatches_apart_is_named(tmp_path, case, why):
+    assert why in _overlap(tmp_path, **case)
+
+
+@pytest.mark.parametrize("backend, grid, tp, sections, wanted", [
+    ("nccl", (1, 1, 2), 1, {}, True),
+    ("gloo", (1, 1, 2), 1, {}, False),
+    ("nccl", (1, 2, 2), 1, {}, False),
+    ("nccl", (1, 1, 1), 1, {}, False),
+    ("nccl", (1, 1, 2), 2, {}, False),
+    ("nccl", (1, 1, 2), 1, {"runtime": {"cuda_graphs": False}}, False),
+    ("nccl", (1, 1, 2), 1, {"runtime": {"moe_microbatch_overlap": False}}, False),
+], ids=["ep2", "cpu", "pp2", "ep1", "tp2", "graphs-off", "overlap-off"])
+def test_the_second_ep_communicator_is_made_only_where_it_is_used(tmp_path, backend, grid, tp, sections, wanted):
+    dp, pp, ep = grid
+    cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp}, **sections)
+    assert wants_backward_ep_group(cfg, Grid(dp, pp, ep, tp), backend) is wanted

@@ -95,3 +95,21 @@ def test_exchange_waits_split_a_peers_lateness_from_the_transfer(tmp_path):
     assert got[0]["exposed_transfer_ms"] == pytest.approx(0.08) and got[1]["exposed_transfer_ms"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="matching them needs the same count"):
         exchange_waits([w0, trace(tmp_path / "w2.json", 0, [(a2a, 1100, 10)])])
+
+
+def test_exchange_waits_match_exchanges_stream_by_stream(tmp_path):
+    """Forwards and backwards on communicators of their own: worker 1 starts its backward's
+    exchange before its second forward's, worker 0 after. Each exchange still meets the same
+    exchange of the other worker: the i-th of its stream."""
+    def trace(path, kernels):
+        events = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(x)", "ts": ts, "dur": dur,
+                   "args": {"stream": stream}} for stream, ts, dur in kernels]
+        path.write_text(json.dumps({"traceEvents": events}))
+        return path
+
+    w0 = trace(tmp_path / "w0.json", [(7, 1000, 100), (7, 1200, 50), (9, 1210, 90)])
+    w1 = trace(tmp_path / "w1.json", [(3, 1050, 50), (4, 1150, 150), (3, 1200, 50)])
+    got = exchange_waits([w0, w1])
+    # Worker 0 waits 50 us for worker 1's first forward; worker 1 60 us for worker 0's backward.
+    assert got[0]["peer_wait_ms"] == pytest.approx(0.05) and got[1]["peer_wait_ms"] == pytest.approx(0.06)
+    assert got[0]["exchanges"] == got[1]["exchanges"] == 3

@@ -133,6 +133,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, ep_rank * self.local, self.local,
                                       dtype=dtype)
         self.ep_group = None  # set by the runtime when ep_size > 1
+        # Another communicator over ep_group's ranks for the padded exchange's backward
+        # (runtime.moe_microbatch_overlap), set by the runtime; None: ep_group.
+        self.ep_group_backward = None
         self.padded_alltoall = False  # set by the runtime (runtime.moe_alltoall)
         self.chunks = 1  # pieces of a padded exchange that overlap (runtime.moe_chunks)
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
@@ -226,7 +229,8 @@ class MoE(nn.Module):
             piece_counts = counts if chunks == 1 and counts is not None else _count(ids, self.n_experts + 1)
             sorted_ids, order = torch.sort(ids, stable=True)
             pieces.append(PaddedPiece(x[a:b], sorted_ids, order, weight[a * k:b * k],
-                                      piece_counts[:self.n_experts].view(shape), k, self.ep_group, self.stats))
+                                      piece_counts[:self.n_experts].view(shape), k, self.ep_group, self.stats,
+                                      self.ep_group_backward))
         for piece in pieces:
             piece.send_back(self.experts(*piece.receive(group_alignment(x))))
         out = [piece.combine() for piece in pieces]

@@ -40,17 +40,20 @@ COUNT_BYTES = 8  # an int64 count
 class Exchange:
     """One all-to-all of equal blocks: `queue` starts it and returns its output buffer,
     `wait` makes the current stream wait for it. `stats` (an MoE layer's MoEStats) counts
-    bytes sent to other ranks and host time spent here."""
+    bytes sent to other ranks and host time spent here. Backward's exchanges go over
+    `backward_group` (the same ranks, another communicator) when there is one."""
 
-    def __init__(self, group, ep: int, stats) -> None:
+    def __init__(self, group, ep: int, stats, backward_group=None) -> None:
         self.group, self.ep, self.stats = group, ep, stats
+        self.backward_group = backward_group if backward_group is not None else group
         self.work = None
 
-    def queue(self, x: Tensor) -> Tensor:
+    def queue(self, x: Tensor, backward: bool = False) -> Tensor:
         t0 = time.perf_counter()
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.work = dist.all_to_all_single(out, x, group=self.group, async_op=True)
+        group = self.backward_group if backward else self.group
+        self.work = dist.all_to_all_single(out, x, group=group, async_op=True)
         self.stats.alltoall_bytes += x.numel() * x.element_size() * (self.ep - 1) // self.ep
         self.stats.alltoall_s += time.perf_counter() - t0
         return out
@@ -114,7 +117,7 @@ class _ReceiveRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, *_):
         (row_of,) = ctx.saved_tensors
-        out = ctx.exchange.queue(combine_rows(grad, row_of.unsqueeze(1), None, ctx.rows))
+        out = ctx.exchange.queue(combine_rows(grad, row_of.unsqueeze(1), None, ctx.rows), backward=True)
         run_while_exchanging()
         return out, None, None, None, None
 
@@ -153,7 +156,7 @@ class _ReturnRows(torch.autograd.Function):
             by_row = row_dot(grad, token, returned)
             grad_weight = torch.where(slots >= 0, by_row[slots.clamp(min=0)], 0.0).flatten()
         # Every rank enters every exchange: the rows' gradient always travels.
-        out = ctx.exchange.queue(gather_rows(grad, token, row_weight))
+        out = ctx.exchange.queue(gather_rows(grad, token, row_weight), backward=True)
         run_while_exchanging()
         return out, grad_weight, None, None, None, None
 
@@ -162,17 +165,18 @@ class PaddedPiece:
     """One piece of a layer's tokens on its way through the padded exchange."""
 
     def __init__(self, x: Tensor, sorted_expert: Tensor, order: Tensor, weight: Tensor, send_counts: Tensor,
-                 k: int, group, stats) -> None:
+                 k: int, group, stats, backward_group=None) -> None:
         """x [tokens, d]; sorted_expert, order: the piece's slots sorted by expert (dropped
         ones as expert E, last); weight [tokens * k] router weights by slot; send_counts
-        [ep, local] slots for each rank's experts."""
+        [ep, local] slots for each rank's experts; backward_group: see `Exchange`."""
         ep, self.local = send_counts.shape
         self.n = order.numel()
         block = self.n + count_rows(self.local, x)
         self.slots, self.token, self.row_weight = padded_send_layout(sorted_expert, order, send_counts,
                                                                      weight.detach(), k, block)
         self.weight = weight
-        self.there, self.back = Exchange(group, ep, stats), Exchange(group, ep, stats)
+        self.there = Exchange(group, ep, stats, backward_group)
+        self.back = Exchange(group, ep, stats, backward_group)
         self.received = _SendRows.apply(x, self.token, self.slots, send_counts, self.n, self.there)
 
     def receive(self, align: int) -> tuple[Tensor, Tensor]:

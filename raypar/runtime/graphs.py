@@ -57,6 +57,78 @@ def graphs_blocked(cfg: Config, grid: Grid, program: Sequence[Action], device: t
     return None
 
 
+def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, n_microbatches: int,
+                    has_backward_group: bool) -> str | None:
+    """Why a stage whose micro-batches replay graphs runs them one after another rather than
+    each forward beside the previous backward (`runtime.moe_microbatch_overlap`); None when
+    it overlaps them. `has_backward_group`: the worker made the second ep communicator."""
+    if not cfg.runtime.moe_microbatch_overlap:
+        return "runtime.moe_microbatch_overlap is off"
+    if not has_moe or grid.ep == 1:
+        return "no all-to-all to hide: the stage has no MoE layers on parallel.ep > 1"
+    if grid.tp > 1:
+        return "parallel.tp > 1: the tp collectives of both directions share one communicator"
+    if n_microbatches < 2:
+        return "one micro-batch a step"
+    if not has_backward_group:
+        return "the worker has no second ep communicator (see wants_backward_ep_group)"
+    return None
+
+
+def wants_backward_ep_group(cfg: Config, grid: Grid, backend: str) -> bool:
+    """Whether a worker makes the second ep communicator micro-batch overlap needs: on GPU
+    (NCCL), for a one-stage MoE grid with ep > 1 and no tp, with graphs and overlap on."""
+    r = cfg.runtime
+    return (backend == "nccl" and r.cuda_graphs and r.moe_microbatch_overlap and cfg.model.n_experts > 0
+            and grid.pp == 1 and grid.ep > 1 and grid.tp == 1)
+
+
+class MicroBatchStreams:
+    """Two streams on which consecutive micro-batches' graphs replay, so that each forward
+    runs on the device beside the previous micro-batch's backward.
+
+    Orders kept: forwards run one after another in micro-batch order, and so do backwards
+    (each direction's collectives then reach their communicator in the same order on every
+    rank, and backwards add into the gradients one at a time, as without overlap); a
+    micro-batch's backward follows its forward on its stream (which also keeps its graph
+    set's buffers until the micro-batch after next). The first replay after a `join` waits
+    for what the current stream issued (the tokens, the last optimizer step); `join` makes
+    the current stream wait for both.
+    """
+
+    def __init__(self) -> None:
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        self._last: dict[str, torch.cuda.Event | None] = {"F": None, "B": None}
+        self._joined = True
+
+    @contextmanager
+    def on(self, direction: str, mb: int) -> Iterator[torch.cuda.Stream]:
+        """Run the block's work (direction "F" or "B" of micro-batch `mb`) on its stream."""
+        stream = self.streams[mb % 2]
+        if self._joined:
+            for s in self.streams:
+                s.wait_stream(torch.cuda.current_stream())
+            self._joined = False
+        last = self._last[direction]
+        if last is not None:
+            stream.wait_event(last)
+        with torch.cuda.stream(stream):
+            yield stream
+            done = torch.cuda.Event()
+            done.record()
+        self._last[direction] = done
+
+    def join(self) -> None:
+        """The current stream waits for all work on the two streams."""
+        if self._joined:
+            return
+        home = torch.cuda.current_stream()
+        for s in self.streams:
+            home.wait_stream(s)
+        self._last = {"F": None, "B": None}
+        self._joined = True
+
+
 class MicroBatchGraph:
     """One micro-batch's forward (the stage loss) and backward through `model`, captured for
     inputs of one shape; backward starts from the loss divided by `micro_batches` (the step's

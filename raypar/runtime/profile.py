@@ -128,25 +128,34 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
     time in the collective `name`'s kernels split into `peer_wait_ms`, waiting for the last
     worker to enter the exchange, and `transfer_ms`, the rest; and `exposed_transfer_ms`,
     the transfer while no compute kernel ran (what `device_time`'s exposed time is without
-    a peer's lateness). The i-th such kernel of every trace is the same exchange: every rank
-    enters every exchange, in one order (pp=1: no pipeline transfer shares the name)."""
+    a peer's lateness). Each communicator runs its kernels on a stream of its own, in one
+    order on every rank (pp=1: no pipeline transfer shares the name): the i-th such kernel
+    of a worker's j-th stream (streams in the order of their first such kernel) is the same
+    exchange on every worker. Two streams: forwards and backwards on communicators of their
+    own (`runtime.moe_microbatch_overlap`)."""
     per_worker = []
     for trace in traces:
-        kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in _events(trace) if e.get("cat") == "kernel"]
-        exchanges = sorted((s, e) for s, e, n in kernels if kernel_kind(n) == "communication" and collective(n) == name)
-        compute = [(s, e) for s, e, n in kernels if kernel_kind(n) != "communication"]
-        per_worker.append((exchanges, compute))
-    counts = {len(x) for x, _ in per_worker}
-    if len(counts) > 1:
-        raise ValueError(f"exchange_waits: the workers ran {sorted(counts)} {name} kernels; matching them needs "
-                         f"the same count on every worker")
-    arrivals = [max(x[i][0] for x, _ in per_worker) for i in range(counts.pop() if counts else 0)]
+        kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("stream"))
+                   for e in _events(trace) if e.get("cat") == "kernel"]
+        by_stream: dict[object, list[tuple[float, float]]] = {}
+        for s, e, n, stream in sorted(kernels):
+            if kernel_kind(n) == "communication" and collective(n) == name:
+                by_stream.setdefault(stream, []).append((s, e))
+        compute = [(s, e) for s, e, n, _ in kernels if kernel_kind(n) != "communication"]
+        per_worker.append((list(by_stream.values()), compute))
+    shapes = {tuple(len(x) for x in streams) for streams, _ in per_worker}
+    if len(shapes) > 1:
+        raise ValueError(f"exchange_waits: the workers ran {name} kernels per stream {sorted(shapes)}; matching "
+                         f"them needs the same counts on every worker")
+    arrivals = [[max(streams[j][i][0] for streams, _ in per_worker) for i in range(n)]
+                for j, n in enumerate(shapes.pop() if shapes else ())]
     out = []
-    for exchanges, compute in per_worker:
-        transfers = [(max(start, last), end) for (start, end), last in zip(exchanges, arrivals) if end > max(start, last)]
+    for streams, compute in per_worker:
+        pairs = [(x, last) for j, stream in enumerate(streams) for x, last in zip(stream, arrivals[j])]
+        exchanges = [x for x, _ in pairs]
+        transfers = [(max(start, last), end) for (start, end), last in pairs if end > max(start, last)]
         out.append({"exchanges": len(exchanges),
-                    "peer_wait_ms": sum(min(end, last) - start for (start, end), last in zip(exchanges, arrivals)
-                                        if last > start) / 1000,
+                    "peer_wait_ms": sum(min(end, last) - start for (start, end), last in pairs if last > start) / 1000,
                     "transfer_ms": sum(e - s for s, e in transfers) / 1000,
                     "exposed_transfer_ms": (_union_us(transfers + compute) - _union_us(compute)) / 1000})
     return out

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,8 @@ from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
-from raypar.runtime.graphs import GraphCaptureError, MicroBatchGraph, graph_key, graphs_blocked
+from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, graph_key, graphs_blocked,
+                                   overlap_blocked)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.p2p import Inflight, connect_channels
@@ -69,13 +70,16 @@ class _StepState:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grad_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)  # the stage with the head only
-    graphed: set[tuple[int, int]] = field(default_factory=set)  # forwards that replayed a CUDA graph
+    # Forwards that replayed a CUDA graph, and the graph their backward replays.
+    graphed: dict[tuple[int, int], MicroBatchGraph] = field(default_factory=dict)
     graphed_count: int = 0
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
     issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
     released: int = 0
     peak_live: int = 0
     last_backward: object | None = None  # the end mark of its last backward
+    # (start, end) of the unit just issued when it ran on a stream of its own (`MicroBatchStreams`).
+    unit_marks: tuple[object, object] | None = None
     data_wait_s: float = 0.0  # what reading its batch held the step up (none when prefetched in time)
 
     def release(self) -> None:
@@ -160,6 +164,7 @@ class StageRuntime:
             moe.ep_group = groups.ep
             moe.padded_alltoall = cfg.runtime.moe_alltoall == "padded"
             moe.chunks = cfg.runtime.moe_chunks
+            moe.ep_group_backward = groups.ep_backward
         if cfg.model.init_from and init_weights:
             from raypar.hf import load_hf_weights
 
@@ -194,7 +199,10 @@ class StageRuntime:
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
         self._mb: tuple[int, int] = (0, -1)  # (chunk, micro-batch) of the forward running
-        self._graph: MicroBatchGraph | None = None  # this program's captured micro-batch (runtime.cuda_graphs)
+        # This program's captured micro-batch (runtime.cuda_graphs): one graph set, or two
+        # that alternate when micro-batches overlap (runtime.moe_microbatch_overlap).
+        self._graphs: list[MicroBatchGraph] = []
+        self._streams: MicroBatchStreams | None = None
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
         self._late: tuple[int, list[tuple[object, object]], object] | None = None
@@ -223,9 +231,17 @@ class StageRuntime:
         self._units = comm_groups(self.program)  # what runs
         self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = len({a.mb for a in self.program if a.op == Op.F})
-        self._graph = None
+        self._graphs = []
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
+        # None, or why its graphed micro-batches run one after another rather than overlapped.
+        self.overlap_blocked = self.graphs_blocked or overlap_blocked(
+            self.cfg, self.grid, bool(self.moe_layers), self._n_mb, self.groups.ep_backward is not None)
+        if self.overlap_blocked is None:
+            self._streams = self._streams or MicroBatchStreams()
+        else:
+            self._join()
+            self._streams = None
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
         splits = any(a.op in (Op.I, Op.W) for a in self.program)
@@ -276,6 +292,8 @@ class StageRuntime:
             state.inflight.poll()
             # A compute's wait for its input is idle time, not the compute's: before its mark.
             self._await_input(state, head)
+            if head.op not in (Op.F, Op.B):
+                self._join()
             state.issued.append(time.time())
             begin = self.clock.mark()
             if head.op == Op.REDUCE_GRAD:
@@ -301,6 +319,7 @@ class StageRuntime:
                 self._issue(state, unit)
             self._end_unit(state, head, begin)
 
+        self._join()
         readback = readback or self._read_back(state.losses, grad_norm)
         # What the report measured on the host, before the next step's first unit resets it.
         peak_act = self.tracker.peak_bytes
@@ -435,6 +454,8 @@ class StageRuntime:
 
     def _end_unit(self, state: "_StepState", head: Action, begin) -> None:
         end = self.clock.mark()
+        if state.unit_marks is not None:  # it ran on a stream of its own: its marks are there
+            (begin, end), state.unit_marks = state.unit_marks, None
         state.marks.append((begin, end))
         if head.op.is_backward:
             state.last_backward = end
@@ -467,7 +488,7 @@ class StageRuntime:
         """Forget a step issued ahead, and the captured graph: the weights or the program
         change before the next step runs."""
         self._ahead = None
-        self._graph = None
+        self._graphs = []
 
     def report_tail(self, step: int) -> ReportTail:
         """Wait for the device to pass step `step`, reported ahead of it (`StepReport.complete`),
@@ -541,15 +562,19 @@ class StageRuntime:
         has_loss = self.layout.next(self.stage, chunk) is None
         target = state.labels[mb] if has_loss else None
         seeds = state.seeds[mb] if state.seeds is not None else None
-        graph = self._graph_for(state, (x, target, seeds))
+        graph = self._graph_for(state, (x, target, seeds), mb)
         if graph is not None:
             self._weights_gathered()  # what the forward pre-hooks do eagerly
-            loss = graph.forward((x, target, seeds))
+            with self._replaying(state, "F", mb):
+                loss = graph.forward((x, target, seeds))
+            if self._streams is not None:
+                loss.record_stream(torch.cuda.current_stream())  # the step's loss is read here
             state.losses.append(loss)
-            state.graphed.add(key)
+            state.graphed[key] = graph
             state.graphed_count += 1
             self.tracker.hold_graphed(key, graph.saved_bytes)
             return loss
+        self._join()
         with self.tracker.recording(key):
             if self.recompute == "stage":
                 self.tracker.hold(key, x)
@@ -563,33 +588,54 @@ class StageRuntime:
         self.tracker.hold(key, out)
         return out
 
-    def _graph_for(self, state: "_StepState", inputs) -> MicroBatchGraph | None:
-        """The CUDA graph this micro-batch's forward and backward replay, captured first if
-        need be; None to run them eagerly."""
+    def _graph_for(self, state: "_StepState", inputs, mb: int) -> MicroBatchGraph | None:
+        """The CUDA graph micro-batch `mb`'s forward and backward replay, captured first if
+        need be; None to run them eagerly. Overlapped micro-batches alternate between two
+        graph sets: one's activations stay while the next one's forward runs."""
         if self.graphs_blocked is not None:
             return None
         sharded = isinstance(self.optimizer, ShardedOptimizer)
         if sharded and self.optimizer.overlaps_reduction() and len(state.losses) == self._n_mb - 1:
             return None  # eager: its backward queues each bucket's reduction once the bucket is full
         key = graph_key(inputs, self._n_mb)
-        if self._graph is not None and self._graph.key == key:
-            return self._graph
+        sets = 2 if self._streams is not None else 1
+        if len(self._graphs) == sets and self._graphs[0].key == key:
+            return self._graphs[mb % sets]
         if state.losses:
             return None  # capture at a step's first forward: the warm-up's gradients are zeroed after it
-        self._graph = None  # its memory pool goes before the next one is made
+        self._graphs = []  # their memory pools go before the next ones are made
         self._weights_gathered()
         try:
             with self.optimizer.reductions_paused() if sharded else nullcontext():
-                self._graph = MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
-                                              counters=[m.stats for m in self.moe_layers.values()],
-                                              backward=lambda loss: self._whole_backward(loss, None))
+                for _ in range(sets):
+                    self._graphs.append(MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
+                                                        counters=[m.stats for m in self.moe_layers.values()],
+                                                        backward=lambda loss: self._whole_backward(loss, None)))
         except GraphCaptureError as e:
             # Every rank runs the same ops, so every rank fails here and goes on eagerly.
-            self.graphs_blocked = f"capture failed: {e}"
+            self._graphs, self._streams = [], None
+            self.graphs_blocked = self.overlap_blocked = f"capture failed: {e}"
             print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
                   file=sys.stderr, flush=True)
             return None
-        return self._graph
+        return self._graphs[mb % sets]
+
+    @contextmanager
+    def _replaying(self, state: "_StepState", direction: str, mb: int) -> Iterator[None]:
+        """Replay a graph on its micro-batch's stream when micro-batches overlap, timed there."""
+        if self._streams is None:
+            yield
+            return
+        with self._streams.on(direction, mb):
+            begin = self.clock.mark()
+            yield
+            state.unit_marks = (begin, self.clock.mark())
+
+    def _join(self) -> None:
+        """Eager work (the reduction, the optimizer, an eager micro-batch) comes after every
+        overlapped micro-batch's."""
+        if self._streams is not None:
+            self._streams.join()
 
     def _undo_warm_up(self) -> None:
         """What a graph's eager warm-up left: gradients (the step had none yet) and MoE counters."""
@@ -599,11 +645,13 @@ class StageRuntime:
 
     def _backward(self, state: "_StepState", action: Action) -> None:
         key = action.key
-        if key in state.graphed:
-            state.graphed.discard(key)
-            self._graph.backward()
+        graph = state.graphed.pop(key, None)
+        if graph is not None:
+            with self._replaying(state, "B", action.mb):
+                graph.backward()
             self.tracker.backward_done(key)
             return
+        self._join()
         out = state.outputs[key]
         target = self.layout.next(self.stage, action.chunk)
         if target is None:
