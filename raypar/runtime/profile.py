@@ -130,9 +130,11 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
     the transfer while no compute kernel ran (what `device_time`'s exposed time is without
     a peer's lateness). Each communicator runs its kernels on a stream of its own, in one
     order on every rank (pp=1: no pipeline transfer shares the name): the i-th such kernel
-    of a worker's j-th stream (streams in the order of their first such kernel) is the same
-    exchange on every worker. Two streams: forwards and backwards on communicators of their
-    own (`runtime.moe_microbatch_overlap`)."""
+    of a worker's j-th stream is the same exchange on every worker. Streams are matched by
+    id where every worker has the same ones (a CUDA graph's replays run on streams its
+    instantiation made, alike on every rank), else in the order of their first such kernel.
+    Several streams: forwards and backwards on communicators of their own
+    (`runtime.moe_microbatch_overlap`), or graphs."""
     per_worker = []
     for trace in traces:
         kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("stream"))
@@ -142,7 +144,11 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
             if kernel_kind(n) == "communication" and collective(n) == name:
                 by_stream.setdefault(stream, []).append((s, e))
         compute = [(s, e) for s, e, n, _ in kernels if kernel_kind(n) != "communication"]
-        per_worker.append((list(by_stream.values()), compute))
+        per_worker.append((by_stream, compute))
+    ids = {tuple(sorted(by_stream, key=str)) for by_stream, _ in per_worker}
+    order = (lambda by_stream: [by_stream[k] for k in sorted(by_stream, key=str)]) if len(ids) == 1 else (
+        lambda by_stream: list(by_stream.values()))
+    per_worker = [(order(by_stream), compute) for by_stream, compute in per_worker]
     shapes = {tuple(len(x) for x in streams) for streams, _ in per_worker}
     if len(shapes) > 1:
         raise ValueError(f"exchange_waits: the workers ran {name} kernels per stream {sorted(shapes)}; matching "
