@@ -20,9 +20,13 @@ def test_summary_prints_with_device_memory_checkpoints_and_a_recovery():
         checkpoints=[{"step": 4, "path": "/c/4", "bytes": 8 * 2**20, "write_s": 0.5, "duration_s": 1.0, "error": None,
                       "copy_wait_s": 0.125, "commit_s": 0.25},
                      {"step": 8, "path": None, "bytes": 0, "write_s": 0.0, "duration_s": 0.0, "error": "lost"}],
-        checkpoint_stall_s=0.002, recoveries=[recovery.to_dict()], mfu=0.41)
+        checkpoint_stall_s=0.002, recoveries=[recovery.to_dict()], mfu=0.41, cuda_graphs_share=1.0)
     text = summary.format()
     assert "tokens/s            1,000  (MFU 41.0%)" in text
+    assert "CUDA graphs         100% of micro-batches replayed (runtime.cuda_graphs)\n" in text
+    summary.overlap_share = 0.75
+    assert ("CUDA graphs         100% of micro-batches replayed (runtime.cuda_graphs), 75% beside another's backward "
+            "(runtime.moe_microbatch_overlap)\n") in summary.format()
     assert "peak device memory  stage 0: 3072.00 MiB  stage 1: 1024.00 MiB" in text
     assert "checkpoints         1 committed, 1 failed, 0 skipped; 8.0 MiB each, written at 16 MiB/s" in text
     assert "checkpoint path     1.00 s snapshot to commit: copies 0.12 s, write 0.50 s, commit 0.25 s" in text

@@ -48,6 +48,7 @@ class StepRecord:
     # Micro-batches run by all workers, and those that replayed CUDA graphs (runtime.cuda_graphs).
     microbatches: int = 0
     graphed_microbatches: int = 0
+    overlapped_microbatches: int = 0  # of those, replayed beside another's (runtime.moe_microbatch_overlap)
     stage_times: list[WorkerTimes] = field(default_factory=list)  # per worker: forward, backward, idle seconds
     # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
@@ -95,6 +96,7 @@ def step_record(step: int, reports: list[StepReport], grid: Grid, programs: Prep
         grad_buckets_early=sum(r.buckets_early for r in reports),
         microbatches=sum(r.microbatches for r in reports),
         graphed_microbatches=sum(r.graphed_microbatches for r in reports),
+        overlapped_microbatches=sum(r.overlapped_microbatches for r in reports),
         stage_times=stage_times(reports, grid),
         mfu=mfu(tokens / step_time_s, flops_per_token, grid.size, peak_flops),
         schedule=schedule,
@@ -181,6 +183,7 @@ class RunSummary:
     # Sharded optimizer: the share of gradient buckets whose reduce-scatter began inside backward.
     grad_buckets_early_share: float = 0.0
     cuda_graphs_share: float = 0.0  # of all micro-batches run, those that replayed CUDA graphs
+    overlap_share: float = 0.0  # of all micro-batches run, those replayed beside another micro-batch's
     alltoall_bytes_per_step: float = 0.0
     alltoall_s_per_step: float = 0.0
     data_wait_s_per_step: float = 0.0  # the longest wait of any worker for its batch, per step
@@ -213,7 +216,9 @@ class RunSummary:
             f"control overhead    {self.control_overhead * 100:.2f}% of the step",
             f"data wait           {self.data_wait_s_per_step * 1000:.2f} ms per step"
             + (f" ({self.data_wait_s_per_step / self.step_time_s:.2%} of a step)" if self.step_time_s else ""),
-            *([f"CUDA graphs         {self.cuda_graphs_share:.0%} of micro-batches replayed (runtime.cuda_graphs)"]
+            *([f"CUDA graphs         {self.cuda_graphs_share:.0%} of micro-batches replayed (runtime.cuda_graphs)"
+               + (f", {self.overlap_share:.0%} beside another's backward (runtime.moe_microbatch_overlap)"
+                  if self.overlap_share else "")]
               if self.device.startswith("cuda") else []),
             "peak activations    " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),
         ]
@@ -303,6 +308,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         optimizer_s_per_step=avg("optimizer_s"),
         grad_buckets_early_share=(sum(r.grad_buckets_early for r in steady) / max(1, sum(r.grad_buckets for r in steady))),
         cuda_graphs_share=sum(r.graphed_microbatches for r in records) / max(1, sum(r.microbatches for r in records)),
+        overlap_share=sum(r.overlapped_microbatches for r in records) / max(1, sum(r.microbatches for r in records)),
         alltoall_bytes_per_step=avg("alltoall_bytes"),
         alltoall_s_per_step=fmean(timed_a2a) if timed_a2a else 0.0,
         data_wait_s_per_step=avg("data_wait_s"),

@@ -242,6 +242,10 @@ class StageRuntime:
         else:
             self._join()
             self._streams = None
+            if (program and self.graphs_blocked is None and self.cfg.runtime.moe_microbatch_overlap and self.moe_layers
+                    and self.grid.ep > 1):
+                print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
+                      f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
         splits = any(a.op in (Op.I, Op.W) for a in self.program)
@@ -377,6 +381,7 @@ class StageRuntime:
             optimizer_bytes=self._optimizer_bytes,
             buckets=buckets, buckets_early=early, microbatches=self._n_mb,
             graphed_microbatches=state.graphed_count,
+            overlapped_microbatches=state.graphed_count if self._streams is not None else 0,
             grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
         )
