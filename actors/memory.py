@@ -75,8 +75,8 @@ def check_host_memory(every: int, nodes: list[str], state_bytes: list[int], avai
                 f"peers) and has {free[node] / 2**30:.1f} GiB "
                 f"available; set elastic.memory_every=0 to recover from checkpoints only, or use nodes with more memory"
                 + (f". Of its memory, {left_on[node] / 2**30:.1f} GiB is held by files in /dev/shm/raypar-* that "
-                   f"processes of other runs left when they ended (a crashed run leaves them): remove those "
-                   f"directories once those runs are over" if left_on[node] >= 2**30 / 10 else ""))
+                   f"processes of other runs left when they ended (a crashed run leaves them): once those runs "
+                   f"are over, `raypar shared-memory --remove` on that node removes them" if left_on[node] >= 2**30 / 10 else ""))
 
 
 def check_object_store(every: int, nodes: list[str], state_bytes: list[int], peers: list[int],

@@ -176,3 +176,35 @@ def test_other_runs_files_of_ended_processes_are_counted_as_abandoned(tmp_path):
     (here.node_dir / f"p{ended.pid}" / "0.bin").write_bytes(b"y" * (7 << 20))
     assert 3 << 20 <= here.abandoned_bytes() < 4 << 20
     assert 7 << 20 <= here.ended_bytes() < 8 << 20
+
+
+def test_the_cli_lists_runs_in_shared_memory_and_removes_only_ended_ones(tmp_path, capsys):
+    """`raypar shared-memory`: each run's directory with its size, its run directory and whether
+    a process that wrote it runs; `--remove` deletes the ended ones and keeps the live one."""
+    from raypar.driver.cli import main
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (tmp_path / "shm").mkdir()
+    crashed = SharedCopies.open(str(tmp_path / "crashed-run"), "node", root=tmp_path / "shm")
+    crashed.own_dir = crashed.node_dir / f"p{ended.pid}"  # as if that process had made it
+    crashed.allocate("own0", {"w": (torch.Size([1 << 18]), torch.float32)})
+    live = SharedCopies.open(str(tmp_path / "live-run"), "node", root=tmp_path / "shm")
+    live.allocate("own0", {"w": (torch.Size([1 << 10]), torch.float32)})
+    root = ["--root", str(tmp_path / "shm")]
+
+    assert main(["shared-memory", *root]) == 0
+    out = capsys.readouterr().out
+    assert f"ended (1 processes)  run_dir {tmp_path / 'crashed-run'}" in out
+    assert f"1 of 1 processes running  run_dir {tmp_path / 'live-run'}" in out
+    assert "--remove deletes them" in out
+    assert crashed.node_dir.is_dir()  # listing removes nothing
+
+    assert main(["shared-memory", *root, "--remove"]) == 0
+    assert "removed 1 run(s)" in capsys.readouterr().out
+    assert not crashed.node_dir.parent.exists() and live.node_dir.is_dir()
+    # The live run ends as runs do: its directory goes, note included.
+    live.drop()
+    assert list((tmp_path / "shm").iterdir()) == []
+    assert main(["shared-memory", *root]) == 0 and "no run keeps states" in capsys.readouterr().out
+    assert main(["shared-memory", "--root", str(tmp_path / "nowhere")]) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from raypar.config import ConfigError, load_config
 
@@ -128,6 +129,30 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shared_memory(args: argparse.Namespace) -> int:
+    from raypar.runtime.shared_copies import SHM_ROOT, remove_ended_runs, run_areas
+
+    root = Path(args.root) if args.root else SHM_ROOT
+    if not root.is_dir():
+        print(f"raypar: error: {root} is not a directory (shared memory is at {SHM_ROOT})", file=sys.stderr)
+        return 2
+    areas = run_areas(root)
+    if not areas:
+        print(f"no run keeps states in {root}")
+        return 0
+    for a in areas:
+        state = f"{a.running} of {a.processes} processes running" if a.running else f"ended ({a.processes} processes)"
+        print(f"{a.path}  {a.bytes / 2**30:.2f} GiB  {state}  run_dir {a.run_dir or '(not noted)'}")
+    if args.remove:
+        removed = remove_ended_runs(root)
+        print(f"removed {len(removed)} run(s) no running process has files in, "
+              f"{sum(a.bytes for a in removed) / 2**30:.2f} GiB")
+    elif any(not a.running for a in areas):
+        print("runs marked ended have no running process on this machine; --remove deletes them (not while a run of "
+              "theirs is recovering from memory, which reads a lost process's files)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypar", description="Pipeline-parallel training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Reads RUN_DIR/status.json, which a run rewrites after every step.")
     status.add_argument("run_dir", help="the run's runtime.run_dir")
     status.set_defaults(func=_status)
+
+    shm = sub.add_parser("shared-memory", help="list the runs' states in this machine's /dev/shm; remove ended ones",
+                         description="With elastic.memory_shared, workers keep copies of their states in files in "
+                                     "/dev/shm/raypar-*. A run removes its own when it ends, and a run of the same "
+                                     "run directory clears what ended processes left; a run that crashed leaves "
+                                     "them otherwise. Lists every run's directory on this machine with its size and "
+                                     "whether any process that wrote it still runs.")
+    shm.add_argument("--remove", action="store_true",
+                     help="remove the run directories no running process has files in")
+    shm.add_argument("--root", default=None, help=argparse.SUPPRESS)  # tests: another directory than /dev/shm
+    shm.set_defaults(func=_shared_memory)
 
     from raypar.timeline import add_parser as add_timeline_parser
 

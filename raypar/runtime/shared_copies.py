@@ -13,6 +13,10 @@ last copy, as a kept worker's does, not those since its replica reached a peer. 
 its own directory (nodes simulated on one machine share /dev/shm, and must not see each
 other's). The files go when the run's copies are cleared (`clear`: after a restore, every
 node's manifests and the files of processes that have ended) or the run ends (`drop`).
+A run that crashed (its driver killed) leaves its files until another run of the same run
+directory starts there, or until removed: `run_areas` lists every run's directory on a
+machine, `remove_ended_runs` removes those no running process has files in (`raypar
+shared-memory`).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +38,8 @@ SHM_ROOT = Path("/dev/shm")
 _ALIGN = 256
 # Most bytes of a copy written beside its file rather than in it (RNG states: a few KiB).
 _EXTRA_BYTES = 64 * 2**20
+# In a run's directory: the run directory it is of (its name is a hash of it).
+_RUN_DIR_FILE = "run_dir"
 
 
 def run_key(run_dir: str) -> str:
@@ -80,13 +87,16 @@ class SharedCopies:
         self._mapped: dict[str, tuple[torch.Tensor, bool]] = {}
         self.short = False  # a copy found no room here and went to private memory
         self._dropped = False  # the run is over here: nothing is made again (`drop`)
+        self.run_dir: str | None = None  # the run directory, noted beside the files for `run_areas`
 
     @classmethod
     def open(cls, run_dir: str, node_id: str, pin: bool = False, root: Path = SHM_ROOT) -> SharedCopies | None:
         """The area of run `run_dir` on this node, or None where shared memory is not writable."""
         if not (root.is_dir() and os.access(root, os.W_OK)):
             return None
-        return cls(root / run_key(run_dir) / node_id, pin)
+        copies = cls(root / run_key(run_dir) / node_id, pin)
+        copies.run_dir = str(Path(run_dir).resolve())
+        return copies
 
     # -- this process's files -------------------------------------------------------------------
 
@@ -101,6 +111,9 @@ class SharedCopies:
         offsets, size = _place(layout)
         path = self.own_dir / f"{slot}.bin"
         self.own_dir.mkdir(parents=True, exist_ok=True)
+        note = self.node_dir.parent / _RUN_DIR_FILE
+        if self.run_dir is not None and not note.exists():
+            note.write_text(self.run_dir)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
@@ -254,7 +267,7 @@ class SharedCopies:
         runs: a node whose raylet died and came back under another id, or (on one machine) a
         simulated node that went. A live node's are kept."""
         for node_dir in self.node_dir.parent.glob("*"):
-            if node_dir != self.node_dir and not any(
+            if node_dir != self.node_dir and node_dir.is_dir() and not any(
                     process_running(int(folder.name[1:])) for folder in node_dir.glob("p*")):
                 shutil.rmtree(node_dir, ignore_errors=True)
 
@@ -266,10 +279,50 @@ class SharedCopies:
             self.free(slot)
         shutil.rmtree(self.node_dir, ignore_errors=True)
         self._sweep_ended_nodes()
+        run = self.node_dir.parent
         try:
-            self.node_dir.parent.rmdir()  # the run's, once no node of it is left on this machine
+            if not any(p.is_dir() for p in run.iterdir()):  # the run's, once no node of it is left here
+                (run / _RUN_DIR_FILE).unlink(missing_ok=True)
+                run.rmdir()
         except OSError:
             pass
+
+
+@dataclass(frozen=True)
+class RunArea:
+    """One run's directory in shared memory on this machine."""
+    path: Path
+    run_dir: str | None  # the run directory it is of, where noted
+    processes: int  # worker processes with files there (any node simulated on this machine)
+    running: int  # of them, those still running
+    bytes: int  # memory the files hold
+
+
+def run_areas(root: Path = SHM_ROOT) -> list[RunArea]:
+    """Every run's directory in `root` on this machine, with how many of its processes run."""
+    areas = []
+    for path in sorted(root.glob("raypar-*")):
+        if not path.is_dir() or path.name.startswith("raypar-move-"):  # moves clean up after themselves
+            continue
+        folders = [f for f in path.glob("*/p*") if f.name[1:].isdigit()]
+        note = path / _RUN_DIR_FILE
+        try:
+            run_dir = note.read_text().strip() if note.exists() else None
+        except OSError:
+            run_dir = None
+        areas.append(RunArea(path, run_dir, len(folders), sum(process_running(int(f.name[1:])) for f in folders),
+                             sum(_held(f) for f in folders)))
+    return areas
+
+
+def remove_ended_runs(root: Path = SHM_ROOT) -> list[RunArea]:
+    """Remove the run directories in `root` that no running process has files in; returns them."""
+    removed = []
+    for area in run_areas(root):
+        if area.running == 0:
+            shutil.rmtree(area.path, ignore_errors=True)
+            removed.append(area)
+    return removed
 
 
 def _held(folder: Path) -> int:
