@@ -23,9 +23,10 @@ from raypar.runtime.graphs import wants_backward_ep_group
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
-from raypar.runtime.recent_states import OWN_SLOTS, OWN_SLOTS_ALONE, RecentStates, pack, tensor_name, unpack
+from raypar.runtime.recent_states import (OWN_SLOTS, OWN_SLOTS_ALONE, RecentStates, choose_sources, pack, tensor_name,
+                                          unpack)
 from raypar.model.tensor_parallel import join_tp_pieces
-from raypar.runtime.state import whole_slices
+from raypar.runtime.state import own_slice_keys, split_own_slices, whole_slices
 from raypar.runtime.shared_copies import SharedCopies, process_running
 from raypar.runtime.report import ReportTail, StepReport
 from raypar.runtime.stage import StageRuntime
@@ -410,31 +411,39 @@ class StageWorker:
         return self.recent.inventory(generation)
 
     def export_memory(self, rank: int, steps_done: int, generation: int | None = None) -> tuple[list[str], list]:
-        """The names of `rank`'s state after `steps_done` steps, and it in the object store."""
+        """The keys of `rank`'s state after `steps_done` steps, and it in the object store."""
         tensors = self.recent.tensors(rank, steps_done, generation)
-        return sorted({tensor_name(key) for key in tensors}), [ray.put(pack(tensors))]
+        return sorted(tensors), [ray.put(pack(tensors))]
 
     def load_memory(self, sources: list[tuple[list[str], list]], same_grid: bool,
                     local: tuple[int, int, int | None] | None = None) -> dict:
         """Load this worker's state from `export_memory` results, fetching only the sources
-        that hold some of it, and from `local` (rank, steps done, generation): a state this
-        worker holds itself, read in place; returns its rank and the bytes loaded."""
+        it needs (`choose_sources`: one of alike replicas, its own tp slice's holder), and from
+        `local` (rank, steps done, generation): a state this worker holds itself, read in
+        place; returns its rank, the bytes loaded and the number of states they came from."""
         needed = self.runtime.state_names()
         tensors: dict[str, torch.Tensor] = {}
         if local is not None:
             tensors.update({k: t for k, t in self.recent.tensors(*local).items() if tensor_name(k) in needed})
-        for names, refs in sources:
-            if needed.intersection(names):
-                tensors.update(unpack(ray.get(refs[0]), needed, copy=False))  # the load copies them
+        # The RNG states are restored on the same grid only.
+        required = needed if same_grid else {n for n in needed if not n.startswith("rng.")}
+        chosen = choose_sources([keys for keys, _ in sources], required,
+                                own_slice_keys(required, self.runtime.tp_slices))
+        for i in chosen:
+            tensors.update(unpack(ray.get(sources[i][1][0]), needed, copy=False))  # the load copies them
         self._load_held(tensors, same_grid)
-        return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values())}
+        return {"rank": self.rank, "bytes": sum(t.nbytes for t in tensors.values()),
+                "states": len(chosen) + (local is not None)}
 
     def _load_held(self, tensors: dict[str, torch.Tensor], same_grid: bool) -> None:
         """Load this worker's stage from tensors keyed as in the copies in memory. A sharded
         optimizer's shares come in flat pieces (of tp slices: put together into the slices
-        first); tp slices are joined whole (each worker then takes its own slice, on any tp)."""
-        held = FlatPieces(join_tp_pieces(whole_slices(tensors, self.runtime.global_shapes())))
-        self.runtime.load_checkpoint(held.read, held.names, same_grid, read_flat=held.read_flat)
+        first); a tp slice that is this worker's own loads as it is, others are joined whole
+        (each worker then takes its own slice, on any tp)."""
+        own, rest = split_own_slices(whole_slices(tensors, self.runtime.global_shapes()), self.runtime.tp_slices)
+        held = FlatPieces(join_tp_pieces(rest))
+        self.runtime.load_checkpoint(held.read, held.names | set(own), same_grid, read_flat=held.read_flat,
+                                     own_slices=own)
 
     def clear_memory(self, drop: bool = False) -> None:
         """Forget the states held (`drop`: the run is over, and its files in shared memory go)."""

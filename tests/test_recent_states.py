@@ -257,3 +257,51 @@ def test_on_one_node_copies_in_shared_memory_need_no_replica():
     assert peers_of(["a", "a", "a"], [True, False, True]) == [0, 2, 2]  # rank 1's copies die with it
     assert peers_of(["a", "a", "b", "b"], [True] * 4) == [2, 3, 0, 1]  # a lost node needs the other's
     assert peers_of(["a"], [False]) == [0]
+
+
+def test_a_restore_fetches_one_of_alike_replicas_and_only_its_own_tp_slice():
+    """What a worker fetches of the states offered: one replica of tensors several hold whole;
+    the holder of exactly its own tp slice rather than every tp rank's; every holder of a
+    tensor kept only in other pieces (flat shares of a sharded optimizer, other tp slices)."""
+    from raypar.runtime.recent_states import choose_sources
+
+    # dp=2 replicas of one stage, and another stage's state.
+    replicas = [["a", "master.a", "rng.rank0.cpu"], ["a", "master.a", "rng.rank1.cpu"], ["b", "master.b"]]
+    assert choose_sources(replicas, {"a", "master.a"}, {}) == [0]
+    assert choose_sources(replicas, {"a", "master.a", "rng.rank1.cpu"}, {}) == [1]  # same grid: its own RNG
+    assert choose_sources(replicas, {"a", "b"}, {}) == [0, 2]
+    # tp=2: each rank's slices of w, the norm whole on both.
+    tp = [["w#tp0.0.2", "norm"], ["w#tp0.1.2", "norm"]]
+    assert choose_sources(tp, {"w", "norm"}, {"w": "w#tp0.1.2"}) == [1]
+    assert choose_sources(tp, {"w", "norm"}, {"w": "w#tp0.0.4"}) == [0, 1]  # another tp: every slice
+    assert choose_sources(tp, {"w", "norm"}, {}) == [0, 1]  # no tp now: joined whole
+    # A sharded optimizer's shares: every holder of a piece.
+    sharded = [["w", "master.w@0"], ["w", "master.w@6"], ["v"]]
+    assert choose_sources(sharded, {"w", "master.w"}, {}) == [0, 1]
+    assert choose_sources(sharded, {"z"}, {}) == []  # held by none: the load names what is missing
+    # Both: the flat shares of its own tp slice only (each dp rank holds some of them).
+    both = [["w#tp0.0.2", "master.w#tp0.0.2@0"], ["w#tp0.0.2", "master.w#tp0.0.2@3"],
+            ["w#tp0.1.2", "master.w#tp0.1.2@0"], ["w#tp0.1.2", "master.w#tp0.1.2@3"]]
+    assert choose_sources(both, {"w", "master.w"}, {"w": "w#tp0.1.2", "master.w": "master.w#tp0.1.2"}) == [2, 3]
+    assert choose_sources(both, {"w", "master.w"}, {"w": "w#tp0.0.4", "master.w": "master.w#tp0.0.4"}) == [0, 1, 2, 3]
+    # Shares of what every tp rank holds whole are alike on the tp ranks of one dp rank: one each.
+    norms = [["master.n@0"], ["master.n@0"], ["master.n@4"], ["master.n@4"]]
+    assert choose_sources(norms, {"master.n"}, {}) == [0, 2]
+
+
+def test_a_workers_own_tp_slice_loads_as_it_is():
+    from raypar.model.tensor_parallel import Slice, tp_piece_name
+    from raypar.runtime.state import own_slice_keys, split_own_slices
+
+    mine = {"w": (Slice(0, 1, 2),)}
+    assert own_slice_keys({"w", "master.w", "norm", "optim.step.w"}, mine) == {
+        "w": tp_piece_name("w", Slice(0, 1, 2)), "master.w": tp_piece_name("master.w", Slice(0, 1, 2))}
+    ours, theirs = torch.ones(2), torch.zeros(2)
+    tensors = {tp_piece_name("w", Slice(0, 1, 2)): ours, tp_piece_name("w", Slice(0, 0, 2)): theirs,
+               tp_piece_name("master.w", Slice(0, 0, 2)): theirs, tp_piece_name("master.w", Slice(0, 1, 2)): theirs,
+               "norm": ours}
+    own, rest = split_own_slices(tensors, mine)
+    assert own["w"] is ours and set(own) == {"w", "master.w"} and set(rest) == {"norm"}
+    # Another tp's slices are not its own: they stay, to be joined whole.
+    own, rest = split_own_slices({tp_piece_name("w", Slice(0, 1, 4)): ours}, mine)
+    assert own == {} and len(rest) == 1

@@ -488,10 +488,14 @@ def test_a_killed_tensor_parallel_worker_comes_back_from_memory_as_the_uninterru
                           elastic={"enabled": True, "resource_timeout_s": 10.0, "memory_every": 1})
 
     reference = Trainer(config("reference")).fit()
-    summary = Trainer(config("killed"), callbacks=[KillWorker(3, 1)]).fit()
+    trainer = Trainer(config("killed"), callbacks=[KillWorker(3, 1)])
+    summary = trainer.fit()
     event = summary.recoveries[0]
     assert (event["source"], event["grid"]) == ("memory", "dp=2 x pp=1 x ep=1 x tp=2"), event
     assert event["steps_lost"] <= 1 and event["workers_kept"] == 3, event
+    # Each worker fetched the states of its own tp rank (its slices' flat shares are spread
+    # over the two dp ranks), not its tp peer's: 2 of the 4 offered.
+    assert [load["states"] for load in trainer.loaded] == [2, 2, 2, 2], trainer.loaded
     got, want = last_loss_per_step(summary), last_loss_per_step(reference)
     assert [got[s] for s in range(6)] == pytest.approx([want[s] for s in range(6)], rel=1e-5)
 

@@ -120,7 +120,8 @@ class Trainer:
 
     @property
     def loaded(self) -> list[dict]:
-        """Per worker, what the last resume read: rank, bytes."""
+        """Per worker, what the last resume read: rank, bytes (and from memory, `states`: how
+        many workers' states it fetched them from)."""
         return self._controller.resumed.loaded
 
     @property

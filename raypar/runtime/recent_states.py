@@ -77,6 +77,41 @@ def tensor_name(key: str) -> str:
     return split_tp_piece_name(split_piece_name(key)[0])[0]
 
 
+def choose_sources(held: list[list[str]], needed: set[str], own_keys: dict[str, str]) -> list[int]:
+    """Which of the states a restore is offered (`held[i]`: the keys of state i) a worker
+    fetches to load the tensors `needed` (global names). Each tensor needs one state holding
+    it whole or holding exactly this worker's tp slice of it (`own_keys`: global name -> that
+    slice's key); else each piece of it (a sharded optimizer's flat shares: of this worker's
+    slice where any are held, else of the whole tensor; other tp slices) needs one state
+    holding that piece. The same key in several states is the same tensor (replicas), so one
+    of them suffices. Fewest states first, earlier ones where they tie; returns their indices,
+    sorted."""
+    holders: dict[str, set[int]] = {}
+    for i, keys in enumerate(held):
+        for key in keys:
+            holders.setdefault(key, set()).add(i)
+    pieces: dict[str, set[str]] = {}  # global name -> keys of its pieces
+    for key in holders:
+        pieces.setdefault(tensor_name(key), set()).add(key)
+    wanted: list[set[int]] = []  # one state of each is fetched
+    for name in needed:
+        own = own_keys.get(name)
+        whole = holders.get(name, set()) | holders.get(own, set())
+        if whole:
+            wanted.append(whole)
+            continue
+        found = pieces.get(name, set())
+        mine = {key for key in found if split_piece_name(key)[0] == own} if own else set()
+        wanted += [holders[key] for key in mine or found]
+    chosen: set[int] = set()
+    pending = wanted
+    while pending:
+        best = max(range(len(held)), key=lambda i: (sum(i in where for where in pending), -i))
+        chosen.add(best)
+        pending = [where for where in pending if best not in where]
+    return sorted(chosen)
+
+
 class RecentStates:
     """Own copies (by step) and peers' replicas (by rank) of one worker's process.
 

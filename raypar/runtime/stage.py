@@ -848,10 +848,17 @@ class StageRuntime:
             raise CollectiveTimeout(f"step {self.snapshot.step}'s snapshot is not saved: {why}")
         return tensors
 
-    def load_checkpoint(self, read, names: set[str], same_grid: bool, read_flat=None) -> list[str]:
+    def load_checkpoint(self, read, names: set[str], same_grid: bool, read_flat=None,
+                        own_slices: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """`own_slices`: tensors already cut to this worker's tp slice, by global name (`load_state`)."""
         self._drop_ahead()
         return load_state(self.optimizer, read, names, self.rank if same_grid else None, self.device,
-                          read_flat=read_flat)
+                          read_flat=read_flat, own_slices=own_slices)
+
+    @property
+    def tp_slices(self) -> dict:
+        """By parameter name, the tp slice this worker holds of it (none without tp)."""
+        return self.optimizer.tp_slices
 
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Overwrite parameters by global name from whole tensors (a tp rank takes its slices)."""

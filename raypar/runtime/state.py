@@ -247,7 +247,7 @@ def snapshot_shapes_for_any_stage(cfg: Config, grid: Grid, everything: bool = Fa
 
 
 def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | None, device: torch.device,
-               threads: int = 8, read_flat=None) -> list[str]:
+               threads: int = 8, read_flat=None, own_slices: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Fill parameters, masters and AdamW state from `read(name) -> Tensor`.
 
     `names` is what the checkpoint holds. Masters come from `master.<p>` when saved, else
@@ -257,10 +257,12 @@ def load_state(optimizer: MasterOptimizer, read, names: set[str], rank: int | No
     Returns the parameters that had no saved AdamW state (a checkpoint saved without it).
     A sharded optimizer also needs `read_flat(name, start, stop)`: a range of a tensor's
     elements in row-major order (`CheckpointReader.read_flat`, `FlatPieces.read_flat`).
+    `own_slices`: tensors already cut to this worker's tp slice (by global name), read as they
+    are rather than through `read`.
     """
     optimizer.settle_ema()
     if optimizer.tp_slices:
-        read = _slice_reads(read, optimizer.tp_slices)
+        read = _slice_reads(read, optimizer.tp_slices, own_slices)
     if isinstance(optimizer, ShardedOptimizer):
         missing = _load_sharded(optimizer, read, read_flat, names, threads)
         _load_rng(read, names, rank, device)
@@ -337,10 +339,40 @@ def whole_slices(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, 
     return out
 
 
-def _slice_reads(read, slices: dict) -> Callable[[str], torch.Tensor]:
+def own_slice_keys(names: Iterable[str], slices: dict) -> dict[str, str]:
+    """Of `names` (global names), those this worker holds a tensor-parallel slice of, mapped to
+    the key a copy in memory names that very slice by (`tp_named`)."""
+    out = {}
+    for name in names:
+        held = slices.get(_param_of(name))
+        if held is not None:
+            out[name] = tp_piece_name(name, held[0])
+    return out
+
+
+def split_own_slices(tensors: dict[str, torch.Tensor], slices: dict) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, torch.Tensor]]:
+    """(own, rest): the tp slices in `tensors` that are this worker's own slice (by global name:
+    loaded as they are, no other tp rank's needed), and the rest, without other slices of those."""
+    own = {}
+    for key, t in tensors.items():
+        name, part = split_tp_piece_name(key)
+        held = slices.get(_param_of(name)) if part is not None else None
+        if held is not None and key == tp_piece_name(name, held[0]):
+            own[name] = t
+    rest = {key: t for key, t in tensors.items() if split_tp_piece_name(key)[0] not in own}
+    return own, rest
+
+
+def _slice_reads(read, slices: dict, own: dict[str, torch.Tensor] | None = None) -> Callable[[str], torch.Tensor]:
     """`read` whole tensors, cut to this worker's tensor-parallel slice where it holds one
-    (a checkpoint of any tp loads: it stores the global tensors)."""
+    (a checkpoint of any tp loads: it stores the global tensors); `own`: tensors already
+    cut to this worker's slice, by global name."""
+    own = own or {}
+
     def read_slice(name: str) -> torch.Tensor:
+        if name in own:
+            return own[name]
         held = slices.get(_param_of(name))
         return read(name) if held is None else held[0].of(read(name))
 
