@@ -101,3 +101,67 @@ def test_the_second_ep_communicator_is_made_only_where_it_is_used(tmp_path, back
     dp, pp, ep = grid
     cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp}, **sections)
     assert wants_backward_ep_group(cfg, Grid(dp, pp, ep, tp), backend) is wanted
+
+
+def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overlap(tmp_path, monkeypatch, capsys):
+    """Overlapped micro-batches need a second graph set (a second micro-batch's activations):
+    where its capture fails (most likely no room), the stage keeps the first set and replays
+    its micro-batches one after another, saying why; where the first fails, it runs eagerly."""
+    import socket
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import raypar.runtime.stage as stage_module
+    from raypar.runtime.graphs import GraphCaptureError, graph_key
+    from raypar.runtime.groups import build_groups, init_world
+    from raypar.runtime.stage import StageRuntime
+
+    from helpers import synthetic_data
+
+    made = []
+
+    class Graph:
+        """A capture that works the first `works` times."""
+        works = 1
+
+        def __init__(self, model, inputs, micro_batches, **_):
+            if len(made) >= Graph.works:
+                raise GraphCaptureError("CUDA out of memory (at the second set)")
+            self.key = graph_key(inputs, micro_batches)
+            made.append(self)
+
+    class Streams:  # stands in for MicroBatchStreams (CUDA streams) on the CPU
+        def join(self):
+            pass
+
+    monkeypatch.setattr(stage_module, "MicroBatchGraph", Graph)
+    cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_world("gloo", "127.0.0.1", port, 0, 1, timedelta(seconds=30))
+    try:
+        grid = Grid(1, 1, 1)
+        runtime = StageRuntime(cfg, grid, 0, build_groups(grid, 0, timedelta(seconds=30)), torch.device("cpu"),
+                               synthetic_data(tmp_path, cfg))
+        runtime.set_program(build_programs("1f1b", 1, 2)[0])
+        inputs = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), None)
+        first_forward = SimpleNamespace(losses=[])
+
+        runtime.graphs_blocked, runtime.overlap_blocked, runtime._streams = None, None, Streams()
+        assert runtime._graph_for(first_forward, inputs, 1) is made[0]
+        assert runtime._streams is None and "the second graph set failed to capture" in runtime.overlap_blocked
+        assert runtime.graphs_blocked is None
+        assert "MoE micro-batches replay one after another" in capsys.readouterr().err
+        # The next micro-batches replay the one set, captured once.
+        assert runtime._graph_for(SimpleNamespace(losses=[1.0]), inputs, 1) is made[0] and len(made) == 1
+
+        made.clear()
+        Graph.works = 0
+        runtime._graphs, runtime._streams = [], Streams()
+        assert runtime._graph_for(first_forward, inputs, 0) is None
+        assert runtime.graphs_blocked.startswith("capture failed") and runtime._streams is None
+    finally:
+        dist.destroy_process_group()

@@ -617,13 +617,21 @@ class StageRuntime:
                                                         counters=[m.stats for m in self.moe_layers.values()],
                                                         backward=lambda loss: self._whole_backward(loss, None)))
         except GraphCaptureError as e:
-            # Every rank runs the same ops, so every rank fails here and goes on eagerly.
-            self._graphs, self._streams = [], None
-            self.graphs_blocked = self.overlap_blocked = f"capture failed: {e}"
-            print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
-                  file=sys.stderr, flush=True)
-            return None
-        return self._graphs[mb % sets]
+            if not self._graphs:
+                # Every rank runs the same ops, so every rank fails here and goes on eagerly.
+                self._streams = None
+                self.graphs_blocked = self.overlap_blocked = f"capture failed: {e}"
+                print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
+                      file=sys.stderr, flush=True)
+                return None
+            # The first set captured, so what failed is most likely the room for a second
+            # micro-batch's activations: keep the graphs, one micro-batch after another. The
+            # communicators stay as they are, so ranks that still overlap meet this one.
+            self._graphs, self._streams = self._graphs[:1], None
+            self.overlap_blocked = f"the second graph set failed to capture: {e}"
+            print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
+                  f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
+        return self._graphs[mb % len(self._graphs)]
 
     @contextmanager
     def _replaying(self, state: "_StepState", direction: str, mb: int) -> Iterator[None]:
