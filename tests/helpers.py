@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -171,3 +172,30 @@ class KillWorker(Callback):
 def last_loss_per_step(summary) -> dict[int, float]:
     # Steps after the last checkpoint before a failure run twice; the later run counts.
     return {r.step: r.loss for r in summary.records}
+
+
+@contextmanager
+def one_cpu_stage(tmp_path, cfg: Config):
+    """A one-stage `StageRuntime` in this process (a gloo world of one) running `cfg`'s 1F1B
+    program, without Ray: for what a stage does between its units."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from raypar.runtime.groups import build_groups, init_world
+    from raypar.runtime.stage import StageRuntime
+    from raypar.topology import Grid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_world("gloo", "127.0.0.1", port, 0, 1, timedelta(seconds=30))
+    try:
+        grid = Grid(1, 1, 1)
+        runtime = StageRuntime(cfg, grid, 0, build_groups(grid, 0, timedelta(seconds=30)), torch.device("cpu"),
+                               synthetic_data(tmp_path, cfg))
+        runtime.set_program(build_programs("1f1b", 1, cfg.parallel.microbatches)[0])
+        yield runtime
+    finally:
+        dist.destroy_process_group()

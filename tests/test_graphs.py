@@ -107,18 +107,12 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
     """Overlapped micro-batches need a second graph set (a second micro-batch's activations):
     where its capture fails (most likely no room), the stage keeps the first set and replays
     its micro-batches one after another, saying why; where the first fails, it runs eagerly."""
-    import socket
-    from datetime import timedelta
     from types import SimpleNamespace
-
-    import torch.distributed as dist
 
     import raypar.runtime.stage as stage_module
     from raypar.runtime.graphs import GraphCaptureError, graph_key
-    from raypar.runtime.groups import build_groups, init_world
-    from raypar.runtime.stage import StageRuntime
 
-    from helpers import synthetic_data
+    from helpers import one_cpu_stage
 
     made = []
 
@@ -138,15 +132,7 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
 
     monkeypatch.setattr(stage_module, "MicroBatchGraph", Graph)
     cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_world("gloo", "127.0.0.1", port, 0, 1, timedelta(seconds=30))
-    try:
-        grid = Grid(1, 1, 1)
-        runtime = StageRuntime(cfg, grid, 0, build_groups(grid, 0, timedelta(seconds=30)), torch.device("cpu"),
-                               synthetic_data(tmp_path, cfg))
-        runtime.set_program(build_programs("1f1b", 1, 2)[0])
+    with one_cpu_stage(tmp_path, cfg) as runtime:
         inputs = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), None)
         first_forward = SimpleNamespace(losses=[])
 
@@ -163,5 +149,3 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
         runtime._graphs, runtime._streams = [], Streams()
         assert runtime._graph_for(first_forward, inputs, 0) is None
         assert runtime.graphs_blocked.startswith("capture failed") and runtime._streams is None
-    finally:
-        dist.destroy_process_group()

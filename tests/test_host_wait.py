@@ -2,7 +2,7 @@
 loop between units, raises StepCancelled once cancelled, until the worker is reset."""
 import pytest
 import torch
-from helpers import synthetic_data, tiny_config
+from helpers import one_cpu_stage, tiny_config
 
 from raypar import host_wait
 
@@ -29,29 +29,9 @@ def test_waits_raise_once_cancelled_and_not_after_clear():
 
 
 def test_a_cancelled_stage_stops_its_step_between_units(tmp_path):
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from raypar.runtime.groups import build_groups, init_world
-    from raypar.runtime.stage import StageRuntime
-    from raypar.schedule import build_programs
-    from raypar.topology import Grid
-
     cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_world("gloo", "127.0.0.1", port, 0, 1, timedelta(seconds=30))
-    try:
-        grid = Grid(1, 1, 1)
-        runtime = StageRuntime(cfg, grid, 0, build_groups(grid, 0, timedelta(seconds=30)), torch.device("cpu"),
-                               synthetic_data(tmp_path, cfg))
-        runtime.set_program(build_programs("1f1b", 1, 2)[0])
+    with one_cpu_stage(tmp_path, cfg) as runtime:
         assert len(runtime.run_step(0, list(range(8))).losses) == 2
         host_wait.cancel("the driver is recovering")
         with pytest.raises(host_wait.StepCancelled, match="stage 0: step 1: cancelled"):
             runtime.run_step(1, list(range(8, 16)))
-    finally:
-        dist.destroy_process_group()
