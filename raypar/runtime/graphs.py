@@ -96,15 +96,17 @@ class MicroBatchStreams:
     the current stream wait for both.
     """
 
+    SETS = 2  # graph sets, and streams: micro-batch i replays set i mod SETS on stream i mod SETS
+
     def __init__(self) -> None:
-        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        self.streams = tuple(torch.cuda.Stream() for _ in range(self.SETS))
         self._last: dict[str, torch.cuda.Event | None] = {"F": None, "B": None}
         self._joined = True
 
     @contextmanager
     def on(self, direction: str, mb: int) -> Iterator[torch.cuda.Stream]:
         """Run the block's work (direction "F" or "B" of micro-batch `mb`) on its stream."""
-        stream = self.streams[mb % 2]
+        stream = self.streams[mb % self.SETS]
         if self._joined:
             for s in self.streams:
                 s.wait_stream(torch.cuda.current_stream())

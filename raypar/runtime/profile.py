@@ -145,10 +145,9 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
                 by_stream.setdefault(stream, []).append((s, e))
         compute = [(s, e) for s, e, n, _ in kernels if kernel_kind(n) != "communication"]
         per_worker.append((by_stream, compute))
-    ids = {tuple(sorted(by_stream, key=str)) for by_stream, _ in per_worker}
-    order = (lambda by_stream: [by_stream[k] for k in sorted(by_stream, key=str)]) if len(ids) == 1 else (
-        lambda by_stream: list(by_stream.values()))
-    per_worker = [(order(by_stream), compute) for by_stream, compute in per_worker]
+    by_id = len({tuple(sorted(by_stream, key=str)) for by_stream, _ in per_worker}) == 1
+    per_worker = [([by_stream[k] for k in sorted(by_stream, key=str)] if by_id else list(by_stream.values()), compute)
+                  for by_stream, compute in per_worker]
     shapes = {tuple(len(x) for x in streams) for streams, _ in per_worker}
     if len(shapes) > 1:
         raise ValueError(f"exchange_waits: the workers ran {name} kernels per stream {sorted(shapes)}; matching "

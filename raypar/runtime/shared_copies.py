@@ -78,7 +78,7 @@ class SharedCopies:
     """One process's files in a run's shared-memory directory on its node, and what it can
     read of the other processes' there."""
 
-    def __init__(self, node_dir: Path, pin: bool = False) -> None:
+    def __init__(self, node_dir: Path, pin: bool = False, run_dir: str | None = None) -> None:
         self.node_dir = node_dir
         self.root = node_dir.parent.parent  # /dev/shm: what its space is counted against
         self.own_dir = node_dir / f"p{os.getpid()}"
@@ -87,16 +87,14 @@ class SharedCopies:
         self._mapped: dict[str, tuple[torch.Tensor, bool]] = {}
         self.short = False  # a copy found no room here and went to private memory
         self._dropped = False  # the run is over here: nothing is made again (`drop`)
-        self.run_dir: str | None = None  # the run directory, noted beside the files for `run_areas`
+        self.run_dir = run_dir  # the run directory, noted beside the files for `run_areas`
 
     @classmethod
     def open(cls, run_dir: str, node_id: str, pin: bool = False, root: Path = SHM_ROOT) -> SharedCopies | None:
         """The area of run `run_dir` on this node, or None where shared memory is not writable."""
         if not (root.is_dir() and os.access(root, os.W_OK)):
             return None
-        copies = cls(root / run_key(run_dir) / node_id, pin)
-        copies.run_dir = str(Path(run_dir).resolve())
-        return copies
+        return cls(root / run_key(run_dir) / node_id, pin, str(Path(run_dir).resolve()))
 
     # -- this process's files -------------------------------------------------------------------
 

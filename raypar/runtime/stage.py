@@ -603,7 +603,7 @@ class StageRuntime:
         if sharded and self.optimizer.overlaps_reduction() and len(state.losses) == self._n_mb - 1:
             return None  # eager: its backward queues each bucket's reduction once the bucket is full
         key = graph_key(inputs, self._n_mb)
-        sets = 2 if self._streams is not None else 1
+        sets = MicroBatchStreams.SETS if self._streams is not None else 1
         if len(self._graphs) == sets and self._graphs[0].key == key:
             return self._graphs[mb % sets]
         if state.losses:
