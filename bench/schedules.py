@@ -25,6 +25,9 @@ KINDS: dict[str, list[str]] = {"pp1": ["parallel.pp=1", "parallel.schedule=1f1b"
 for _s in SCHEDULES:
     KINDS[_s] = ["parallel.pp=2", f"parallel.schedule={_s}"]
     KINDS[f"{_s}-auto"] = [*KINDS[_s], "parallel.layers_per_stage=auto"]
+# 1F1B's stages with their micro-batches issued op by op rather than replayed as CUDA graphs.
+KINDS["1f1b-eager"] = [*KINDS["1f1b"], "runtime.cuda_graphs=false"]
+KINDS["1f1b-auto-eager"] = [*KINDS["1f1b-auto"], "runtime.cuda_graphs=false"]
 # The ideal (pp1), the plain schedules and those on cost-balanced stages.
 DEFAULT_KINDS = ["pp1", "1f1b", "zb-h2", "interleaved-1f1b", "zb-v", "1f1b-auto", "zb-h2-auto",
                  "interleaved-1f1b-auto", "zb-v-auto"]
@@ -52,12 +55,13 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
     return {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
             "step_ms": step_s * 1000, "bubble": statistics.median(r.bubble_measured for r in steady),
             "peak_device_bytes": s.peak_device_bytes, "peak_activation_bytes": s.peak_activation_bytes,
-            "layers_per_stage": split, "final_loss": s.final_loss}
+            "layers_per_stage": split, "final_loss": s.final_loss, "cuda_graphs_share": s.cuda_graphs_share}
 
 
 def main() -> None:
     alternate("bench.schedules", __doc__, list(KINDS), DEFAULT_KINDS, 10, "/tmp/schedules", launch,
-              lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms, bubble {r['bubble']:.3f}",
+              lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms, bubble {r['bubble']:.3f}, "
+                        f"graphed {r['cuda_graphs_share']:.2f}",
               table, "schedules")
 
 

@@ -1,6 +1,7 @@
-"""CUDA graphs of a one-stage micro-batch (runtime.cuda_graphs) on the GPU machine: replayed
-steps equal the single-process reference (loss, every gradient, weights), MoE counters keep
-counting across replays, and programs a graph cannot hold run eagerly."""
+"""CUDA graphs of a stage's micro-batch (runtime.cuda_graphs) on the GPU machine: replayed
+steps equal the single-process reference or the same run eagerly (loss, every gradient,
+weights), on one stage and on pipeline stages (tp and ep inside), MoE counters keep counting
+across replays, and programs a graph cannot hold run eagerly."""
 import pytest
 import torch
 
@@ -75,8 +76,8 @@ def _moe_config(tmp_path, dtype, top_k, graphs=True, overlap=True):
 def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
     """pp=1 x ep=2 in bf16 (grouped GEMMs), padded all-to-alls inside the graphs, dropout on:
     1F1B steps replay (the second count recaptures) and give the eager run's losses,
-    gradients and weights; fthenb keeps every micro-batch live and runs eagerly. The MoE
-    counters count every replay."""
+    gradients and weights; fthenb keeps every micro-batch live and replays a graph set for
+    each. The MoE counters count every replay."""
     _need_gpus(2)
     plan = [("1f1b", 4), ("1f1b", 4), ("fthenb", 4), ("1f1b", 2), ("1f1b", 2)]
     graphed, graphed_weights = _steps(_moe_config(tmp_path / "graphs", "bfloat16", top_k), tmp_path / "graphs", plan)
@@ -86,7 +87,7 @@ def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
     for step, ((schedule, m), (loss, grads, reports), (eager_loss, eager_grads, eager_reports)) in enumerate(
             zip(plan, graphed, eager)):
         where = f"step {step} ({schedule}, {m})"
-        assert [r.graphed_microbatches for r in reports] == [m if schedule == "1f1b" else 0] * 2, where
+        assert [r.graphed_microbatches for r in reports] == [m] * 2, where
         assert [r.graphed_microbatches for r in eager_reports] == [0, 0], where
         assert loss == pytest.approx(eager_loss, rel=1e-3), where
         for name, g in eager_grads.items():
@@ -161,5 +162,37 @@ def test_graphed_bf16_dense_dp2_sharded_equals_eager(ray_session, tmp_path):
         assert loss == pytest.approx(eager_loss, rel=1e-3), step
         for name, g in eager_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"step {step} {name}: {m_}")
+    for name, w in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("gpus, parallel, model", [
+    (2, {"pp": 2}, {}),
+    (4, {"pp": 2, "tp": 2}, {}),
+    (4, {"pp": 2, "ep": 2}, {**MOE, "moe_top_k": 2, "moe_ffn_dim": 64}),
+], ids=["pp2", "pp2-tp2", "pp2-ep2-moe"])
+def test_graphed_pipeline_stages_equal_eager(ray_session, tmp_path, gpus, parallel, model):
+    """Pipeline stages in bf16 with dropout: each stage replays a graph set per micro-batch it
+    holds live (1F1B: pp - stage; fthenb: all), starting from the received activation and,
+    but on the last stage, from the received output gradient. Losses, gradients and weights
+    equal the same run eagerly, and every micro-batch replays."""
+    _need_gpus(gpus)
+    plan = [("1f1b", 4), ("1f1b", 4), ("fthenb", 4), ("1f1b", 2), ("1f1b", 4)]
+
+    def cfg(name, graphs):
+        return tiny_config(tmp_path / name, model={**model, "dropout": 0.1, "dtype": "bfloat16"},
+                           parallel={"dp": 1, "microbatches": 4, **parallel}, train={"global_batch_size": 16},
+                           runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs})
+
+    graphed, graphed_weights = _steps(cfg("graphs", True), tmp_path / "graphs", plan)
+    eager, eager_weights = _steps(cfg("eager", False), tmp_path / "eager", plan)
+    for step, ((schedule, m), (loss, grads, reports), (eager_loss, eager_grads, eager_reports)) in enumerate(
+            zip(plan, graphed, eager)):
+        where = f"step {step} ({schedule}, {m})"
+        assert [r.graphed_microbatches for r in reports] == [m] * gpus, where
+        assert [r.graphed_microbatches for r in eager_reports] == [0] * gpus, where
+        assert loss == pytest.approx(eager_loss, rel=1e-3), where
+        for name, g in eager_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"{where} {name}: {m_}")
     for name, w in eager_weights.items():
         torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)

@@ -1,11 +1,11 @@
-"""CUDA graphs of a one-stage micro-batch: where they apply, and what the CPU side of them
+"""CUDA graphs of a stage's micro-batch: where they apply, and what the CPU side of them
 keeps true (counters and gradients that stay put). Capture and replay themselves run on the
 GPU machine (tests/test_gpu_graphs.py)."""
 import pytest
 import torch
 
 from raypar.model.moe import MoEStats
-from raypar.runtime.graphs import graphs_blocked, overlap_blocked, wants_backward_ep_group
+from raypar.runtime.graphs import graphs_blocked, live_microbatches, overlap_blocked, wants_backward_ep_group
 from raypar.runtime.memory import ActivationTracker
 from raypar.schedule import build_programs
 from raypar.topology import Grid
@@ -21,21 +21,41 @@ def _blocked(tmp_path, schedule="1f1b", m=4, grid=(1, 1, 1), device=CUDA, **sect
     return graphs_blocked(cfg, Grid(dp, pp, ep), build_programs(schedule, pp, m)[0], device)
 
 
-def test_a_whole_model_stage_running_1f1b_on_gpu_takes_graphs(tmp_path):
+def test_one_chunk_schedules_on_gpu_take_graphs(tmp_path):
     assert _blocked(tmp_path) is None
     assert _blocked(tmp_path, grid=(2, 1, 1)) is None
     assert _blocked(tmp_path, grid=(1, 1, 2), model={"n_experts": 4}) is None  # padded all-to-alls
+    assert _blocked(tmp_path, grid=(1, 2, 1)) is None  # a pipeline stage
+    assert _blocked(tmp_path, schedule="fthenb") is None  # every micro-batch live: a set each
+
+
+@pytest.mark.parametrize("schedule, pp, m, sets", [
+    ("1f1b", 1, 4, [1]), ("fthenb", 1, 4, [4]), ("1f1b", 2, 8, [2, 1]), ("1f1b", 4, 8, [4, 3, 2, 1]),
+    ("1f1b", 4, 2, [2, 2, 2, 1]), ("fthenb", 3, 3, [3, 3, 3]),
+])
+def test_graph_sets_follow_the_microbatches_a_stage_holds_live(schedule, pp, m, sets):
+    assert [live_microbatches(p) for p in build_programs(schedule, pp, m)] == sets
+
+
+def test_several_chunks_a_stage_run_eagerly(tmp_path):
+    cfg = tiny_config(tmp_path, parallel={"pp": 2})
+    program = build_programs("interleaved-1f1b", 2, 4, chunks=2)[0]
+    assert "several model chunks" in graphs_blocked(cfg, Grid(1, 2, 1), program, CUDA)
+
+
+def test_microbatches_out_of_order_have_no_graph_sets():
+    from raypar.schedule import Action, Op
+
+    assert live_microbatches([Action(Op.F, 0), Action(Op.F, 1), Action(Op.B, 1), Action(Op.B, 0)]) is None
 
 
 @pytest.mark.parametrize("case, why", [
     (dict(device=torch.device("cpu")), "not on a GPU"),
     (dict(runtime={"cuda_graphs": False}), "runtime.cuda_graphs is off"),
-    (dict(grid=(1, 2, 1)), "parallel.pp > 1"),
     (dict(runtime={"recompute": "block"}), "runtime.recompute"),
     (dict(grid=(1, 1, 2), model={"n_experts": 4}, runtime={"moe_alltoall": "exact"}), "moe_alltoall=exact"),
-    (dict(schedule="fthenb"), "backward right after its forward"),
     (dict(schedule="zb-h1"), "splits backward into I and W"),
-], ids=["cpu", "off", "pp2", "recompute", "exact", "fthenb", "zb"])
+], ids=["cpu", "off", "recompute", "exact", "zb"])
 def test_what_keeps_a_program_eager_is_named(tmp_path, case, why):
     assert why in _blocked(tmp_path, **case)
 
@@ -64,11 +84,11 @@ def test_graphed_microbatches_count_in_live_activations():
     assert tracker.live_bytes() == 0
 
 
-def _overlap(tmp_path, grid=(1, 1, 2), tp=1, m=4, has_moe=True, has_group=True, **sections):
+def _overlap(tmp_path, grid=(1, 1, 2), tp=1, m=4, has_moe=True, has_group=True, schedule="1f1b", **sections):
     dp, pp, ep = grid
     cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp},
                       train={"global_batch_size": 16}, **sections)
-    return overlap_blocked(cfg, Grid(dp, pp, ep, tp), has_moe, m, has_group)
+    return overlap_blocked(cfg, Grid(dp, pp, ep, tp), has_moe, build_programs(schedule, pp, m)[0], has_group)
 
 
 def test_graphed_moe_microbatches_overlap_at_ep2(tmp_path):
@@ -83,7 +103,9 @@ def test_graphed_moe_microbatches_overlap_at_ep2(tmp_path):
     (dict(tp=2), "parallel.tp > 1"),
     (dict(m=1), "one micro-batch"),
     (dict(has_group=False), "no second ep communicator"),
-], ids=["off", "ep1", "dense", "tp2", "one-microbatch", "no-group"])
+    (dict(schedule="fthenb"), "several micro-batches live"),
+    (dict(grid=(1, 2, 2)), "parallel.pp > 1"),
+], ids=["off", "ep1", "dense", "tp2", "one-microbatch", "no-group", "fthenb", "pp2"])
 def test_what_keeps_graphed_microbatches_apart_is_named(tmp_path, case, why):
     assert why in _overlap(tmp_path, **case)
 
@@ -134,7 +156,7 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
     cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
     with one_cpu_stage(tmp_path, cfg) as runtime:
         inputs = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), None)
-        first_forward = SimpleNamespace(losses=[])
+        first_forward = SimpleNamespace(forwards=0)
 
         runtime.graphs_blocked, runtime.overlap_blocked, runtime._streams = None, None, Streams()
         assert runtime._graph_for(first_forward, inputs, 1) is made[0]
@@ -142,7 +164,7 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
         assert runtime.graphs_blocked is None
         assert "MoE micro-batches replay one after another" in capsys.readouterr().err
         # The next micro-batches replay the one set, captured once.
-        assert runtime._graph_for(SimpleNamespace(losses=[1.0]), inputs, 1) is made[0] and len(made) == 1
+        assert runtime._graph_for(SimpleNamespace(forwards=1), inputs, 1) is made[0] and len(made) == 1
 
         made.clear()
         Graph.works = 0

@@ -1,12 +1,20 @@
-"""CUDA graphs of a one-stage micro-batch (`runtime.cuda_graphs`).
+"""CUDA graphs of a stage's micro-batch (`runtime.cuda_graphs`).
 
-A stage that is the whole model (pp=1) runs each micro-batch's forward and backward back
-to back, one micro-batch live at a time. Both are captured once as CUDA graphs and
+A stage's forward and backward of one micro-batch are captured once as CUDA graphs and
 replayed for every micro-batch after: the host issues two graph launches per micro-batch
-instead of every op. That matters for MoE layers, whose router, layout kernels, all-to-alls
-and grouped GEMMs are ~60 small launches a layer and direction: eagerly, the host takes
-longer to issue them than the device to run them, and an all-to-all then waits for the
-slower peer's host rather than for its bytes.
+instead of every op. That matters wherever the host is slower to issue a micro-batch than
+the device to run it: MoE layers, whose router, layout kernels, all-to-alls and grouped
+GEMMs are ~60 small launches a layer and direction (an all-to-all then waits for the slower
+peer's host rather than for its bytes), and a stage split by tp, whose device time halves
+while its host ops do not.
+
+A stage keeps as many graph sets as its program holds micro-batches live (one at pp=1
+under 1F1B; up to pp - stage on a pipeline stage): micro-batch `i` replays set
+`i mod sets`, whose buffers the micro-batch `sets` earlier has left by then, since
+forwards and backwards each run in micro-batch order. A pipeline stage's graphs start from
+the received activation (copied into the captured input) and, but on the last stage, end
+its backward at the received output gradient; what is sent (the output, the input's
+gradient) is a copy, so a send in flight never reads a buffer the next replay writes.
 
 What a replay relies on, and how the stage keeps it true:
 - inputs, outputs and saved activations live at fixed addresses (the graph's memory pool):
@@ -42,34 +50,51 @@ def graphs_blocked(cfg: Config, grid: Grid, program: Sequence[Action], device: t
         return "runtime.cuda_graphs is off"
     if device.type != "cuda":
         return "the stage is not on a GPU"
-    if grid.pp > 1:
-        return "parallel.pp > 1: a pipeline stage holds several micro-batches' activations, a graph one"
     if cfg.runtime.recompute != "none":
         return "runtime.recompute is on"
     if cfg.model.n_experts and grid.ep > 1 and cfg.runtime.moe_alltoall != "padded":
         return "runtime.moe_alltoall=exact reads split sizes on the host"
     if any(a.op in (Op.I, Op.W) for a in program):
         return "the program splits backward into I and W"
-    computes = [a for a in program if a.op.is_compute]
-    pairs = list(zip(computes[0::2], computes[1::2]))
-    if len(computes) % 2 or any((f.op, b.op) != (Op.F, Op.B) or f.mb != b.mb for f, b in pairs):
-        return "the program does not run each micro-batch's backward right after its forward"
+    if any(a.chunk for a in program if a.op.is_compute):
+        return "the stage holds several model chunks (an interleaved or V schedule)"
+    if live_microbatches(program) is None:
+        return "the program runs forwards or backwards out of micro-batch order"
     return None
 
 
-def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, n_microbatches: int,
+def live_microbatches(program: Sequence[Action]) -> int | None:
+    """The most micro-batches between their forward and backward at once: the graph sets a
+    stage needs. None when forwards or backwards do not each run in micro-batch order (the
+    set a micro-batch replays would then still be held by another)."""
+    forwards = [a.mb for a in program if a.op == Op.F]
+    backwards = [a.mb for a in program if a.op == Op.B]
+    if forwards != sorted(forwards) or backwards != sorted(backwards) or sorted(forwards) != sorted(backwards):
+        return None
+    live = most = 0
+    for a in program:
+        live += (a.op == Op.F) - (a.op == Op.B)
+        most = max(most, live)
+    return most
+
+
+def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, program: Sequence[Action],
                     has_backward_group: bool) -> str | None:
     """Why a stage whose micro-batches replay graphs runs them one after another rather than
     each forward beside the previous backward (`runtime.moe_microbatch_overlap`); None when
     it overlaps them. `has_backward_group`: the worker made the second ep communicator."""
     if not cfg.runtime.moe_microbatch_overlap:
         return "runtime.moe_microbatch_overlap is off"
+    if grid.pp > 1:
+        return "parallel.pp > 1: a pipeline stage's units wait on its neighbours, not on each other"
     if not has_moe or grid.ep == 1:
         return "no all-to-all to hide: the stage has no MoE layers on parallel.ep > 1"
     if grid.tp > 1:
         return "parallel.tp > 1: the tp collectives of both directions share one communicator"
-    if n_microbatches < 2:
+    if len({a.mb for a in program if a.op == Op.F}) < 2:
         return "one micro-batch a step"
+    if live_microbatches(program) != 1:
+        return "the schedule holds several micro-batches live (each backward does not follow its forward)"
     if not has_backward_group:
         return "the worker has no second ep communicator (see wants_backward_ep_group)"
     return None
@@ -132,49 +157,61 @@ class MicroBatchStreams:
 
 
 class MicroBatchGraph:
-    """One micro-batch's forward (the stage loss) and backward through `model`, captured for
-    inputs of one shape; backward starts from the loss divided by `micro_batches` (the step's
-    loss is their mean).
+    """One micro-batch's forward and backward through `model`, captured for inputs of one
+    shape. On the stage with the loss (`has_loss`) backward starts from the loss divided by
+    `micro_batches` (the step's loss is their mean); on a stage before it, from an output
+    gradient passed to `backward`.
 
     `reset` undoes what the eager warm-up left (accumulated gradients, MoE counters);
     `counters` are the MoE layers' stats, whose host-side byte counts a replay advances;
-    `backward` runs a backward from the scaled loss (the stage's way: see
-    `runtime.moe_backward_overlap`), by default `loss.backward()`.
+    `backward` runs a backward from a root and its gradient (the stage's way: see
+    `runtime.moe_backward_overlap`), by default `Tensor.backward`.
     `saved_bytes`: what a forward keeps for its backward (parameters aside), as the
     activation tracker would count it."""
 
     def __init__(self, model: nn.Module, inputs: Sequence[Tensor | None], micro_batches: int,
                  reset: Callable[[], None], counters: Sequence[object] = (),
-                 backward: Callable[[Tensor], None] = Tensor.backward):
+                 backward: Callable[[Tensor, Tensor | None], None] = Tensor.backward, has_loss: bool = True):
         self.key = graph_key(inputs, micro_batches)
         self._counters = list(counters)
-        self._static = [t.detach().clone() if t is not None else None for t in inputs]
+        # A received activation's gradient is what the stage sends back: the captured input keeps it.
+        self._static = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+        x = self._static[0]
+
+        def root(out: Tensor) -> Tensor:
+            return out / micro_batches if has_loss else out
+
         current = torch.cuda.current_stream()
         # Warm up on a side stream, as capture requires: libraries create their handles and
         # workspaces, NCCL its communicators, kernels load, all outside the graph.
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            backward(model(*self._static) / micro_batches)
+            out = model(*self._static)
+            self._grad = None if has_loss else torch.zeros_like(out)  # the received output gradient goes here
+            backward(root(out), self._grad)
+            del out
         current.wait_stream(side)
         reset()
+        x.grad = None  # so that the captured backward writes the input's gradient, not adds to it
         before = self._bytes()
         try:
             self._forward = torch.cuda.CUDAGraph()
             # thread_local: the data prefetch thread may pin memory meanwhile.
             with _saved_bytes(model) as saved, torch.cuda.graph(self._forward, capture_error_mode="thread_local"):
-                self._loss = model(*self._static)
-                scaled = self._loss / micro_batches
+                self._out = model(*self._static)
+                start = root(self._out)
             self.saved_bytes = sum(saved.values())
             middle = self._bytes()
             self._backward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._backward, pool=self._forward.pool(), capture_error_mode="thread_local"):
-                backward(scaled)
+                backward(start, self._grad)
             after = self._bytes()
+            self._input_grad = x.grad
             # Let the captured autograd nodes go: eager forwards then make their own, on
             # their own stream (a kept AccumulateGrad node would tie them to the capture's).
-            self._loss = self._loss.detach()
-            del scaled
+            self._out = self._out.detach()
+            del start
         except RuntimeError as e:  # an op that syncs with the host, or that capture does not support
             reset()
             for c, n in zip(self._counters, before):
@@ -186,18 +223,25 @@ class MicroBatchGraph:
             c.alltoall_bytes = n
 
     def forward(self, inputs: Sequence[Tensor | None]) -> Tensor:
-        """Replay the forward on `inputs`; returns the micro-batch's (unscaled) loss."""
-        for static, t in zip(self._static, inputs):
-            if static is not None:
-                static.copy_(t, non_blocking=True)
+        """Replay the forward on `inputs`; returns a copy of the output (the micro-batch's
+        unscaled loss on the stage with the loss): the next replay overwrites the captured one."""
+        with torch.no_grad():  # the captured input is a leaf that requires grad on a pipeline stage
+            for static, t in zip(self._static, inputs):
+                if static is not None:
+                    static.copy_(t, non_blocking=True)
         self._forward.replay()
         self._advance(self._forward_bytes)
-        return self._loss.clone()  # the next replay overwrites the captured one
+        return self._out.clone()
 
-    def backward(self) -> None:
-        """Replay the backward of the last forward: gradients accumulate where eager ones would."""
+    def backward(self, grad: Tensor | None = None) -> Tensor | None:
+        """Replay the backward of the last forward from the output gradient `grad` (None on
+        the stage with the loss): parameter gradients accumulate where eager ones would.
+        Returns a copy of the input's gradient, None where the input is tokens."""
+        if self._grad is not None:
+            self._grad.copy_(grad, non_blocking=True)
         self._backward.replay()
         self._advance(self._backward_bytes)
+        return self._input_grad.clone() if self._input_grad is not None else None
 
     def _bytes(self) -> list[int]:
         return [c.alltoall_bytes for c in self._counters]

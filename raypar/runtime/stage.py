@@ -38,6 +38,7 @@ from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
 from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, graph_key, graphs_blocked,
+                                   live_microbatches,
                                    overlap_blocked)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
@@ -73,6 +74,7 @@ class _StepState:
     # Forwards that replayed a CUDA graph, and the graph their backward replays.
     graphed: dict[tuple[int, int], MicroBatchGraph] = field(default_factory=dict)
     graphed_count: int = 0
+    forwards: int = 0  # forwards issued: graphs are captured at a step's first
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
     issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
     released: int = 0
@@ -122,7 +124,8 @@ class ReadBack:
 def _releasable(t: torch.Tensor) -> bool:
     # Freeing the data is safe only if nothing reads it in backward: not a view of a
     # larger buffer, and not the saved result of the op that produced it (exp, tanh, ...).
-    return t._base is None and t.grad_fn is not None and not hasattr(t.grad_fn, "_saved_result")
+    # A graph replay's output is a copy outside any autograd graph.
+    return t._base is None and (t.grad_fn is None or not hasattr(t.grad_fn, "_saved_result"))
 
 
 class StageRuntime:
@@ -199,8 +202,9 @@ class StageRuntime:
             self.snapshot.reserve(state_layout(self.optimizer, self.coord, save_optimizer=c.save_optimizer,
                                                save_master=c.save_master))
         self._mb: tuple[int, int] = (0, -1)  # (chunk, micro-batch) of the forward running
-        # This program's captured micro-batch (runtime.cuda_graphs): one graph set, or two
-        # that alternate when micro-batches overlap (runtime.moe_microbatch_overlap).
+        # This program's captured micro-batch (runtime.cuda_graphs): a graph set per
+        # micro-batch the program holds live, or two that alternate when micro-batches
+        # overlap (runtime.moe_microbatch_overlap).
         self._graphs: list[MicroBatchGraph] = []
         self._streams: MicroBatchStreams | None = None
         # The last step's units the device had not finished when it reported: (step, marks,
@@ -236,14 +240,14 @@ class StageRuntime:
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # None, or why its graphed micro-batches run one after another rather than overlapped.
         self.overlap_blocked = self.graphs_blocked or overlap_blocked(
-            self.cfg, self.grid, bool(self.moe_layers), self._n_mb, self.groups.ep_backward is not None)
+            self.cfg, self.grid, bool(self.moe_layers), self.program, self.groups.ep_backward is not None)
         if self.overlap_blocked is None:
             self._streams = self._streams or MicroBatchStreams()
         else:
             self._join()
             self._streams = None
             if (program and self.graphs_blocked is None and self.cfg.runtime.moe_microbatch_overlap and self.moe_layers
-                    and self.grid.ep > 1):
+                    and self.grid.ep > 1 and self.grid.pp == 1):
                 print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
                       f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
         # I and W need the linear layers to leave their weight gradients for later; so does
@@ -567,18 +571,20 @@ class StageRuntime:
         has_loss = self.layout.next(self.stage, chunk) is None
         target = state.labels[mb] if has_loss else None
         seeds = state.seeds[mb] if state.seeds is not None else None
-        graph = self._graph_for(state, (x, target, seeds), mb)
+        graph = self._graph_for(state, (x, target, seeds), mb, has_loss)
+        state.forwards += 1
         if graph is not None:
             self._weights_gathered()  # what the forward pre-hooks do eagerly
             with self._replaying(state, "F", mb):
-                loss = graph.forward((x, target, seeds))
+                out = graph.forward((x, target, seeds))
             if self._streams is not None:
-                loss.record_stream(torch.cuda.current_stream())  # the step's loss is read here
-            state.losses.append(loss)
+                out.record_stream(torch.cuda.current_stream())  # the step's loss is read here
+            if has_loss:
+                state.losses.append(out)
             state.graphed[key] = graph
             state.graphed_count += 1
             self.tracker.hold_graphed(key, graph.saved_bytes)
-            return loss
+            return out
         self._join()
         with self.tracker.recording(key):
             if self.recompute == "stage":
@@ -593,20 +599,20 @@ class StageRuntime:
         self.tracker.hold(key, out)
         return out
 
-    def _graph_for(self, state: "_StepState", inputs, mb: int) -> MicroBatchGraph | None:
+    def _graph_for(self, state: "_StepState", inputs, mb: int, has_loss: bool = True) -> MicroBatchGraph | None:
         """The CUDA graph micro-batch `mb`'s forward and backward replay, captured first if
-        need be; None to run them eagerly. Overlapped micro-batches alternate between two
-        graph sets: one's activations stay while the next one's forward runs."""
+        need be; None to run them eagerly. Micro-batch `mb` replays graph set `mb mod sets`:
+        a set's activations stay until its micro-batch's backward, while later ones' run."""
         if self.graphs_blocked is not None:
             return None
         sharded = isinstance(self.optimizer, ShardedOptimizer)
-        if sharded and self.optimizer.overlaps_reduction() and len(state.losses) == self._n_mb - 1:
+        if sharded and self.optimizer.overlaps_reduction() and mb == self._n_mb - 1:
             return None  # eager: its backward queues each bucket's reduction once the bucket is full
         key = graph_key(inputs, self._n_mb)
-        sets = MicroBatchStreams.SETS if self._streams is not None else 1
+        sets = MicroBatchStreams.SETS if self._streams is not None else live_microbatches(self.program)
         if len(self._graphs) == sets and self._graphs[0].key == key:
             return self._graphs[mb % sets]
-        if state.losses:
+        if state.forwards:
             return None  # capture at a step's first forward: the warm-up's gradients are zeroed after it
         self._graphs = []  # their memory pools go before the next ones are made
         self._weights_gathered()
@@ -615,11 +621,12 @@ class StageRuntime:
                 for _ in range(sets):
                     self._graphs.append(MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
                                                         counters=[m.stats for m in self.moe_layers.values()],
-                                                        backward=lambda loss: self._whole_backward(loss, None)))
+                                                        backward=self._whole_backward, has_loss=has_loss))
         except GraphCaptureError as e:
-            if not self._graphs:
+            if not self._graphs or self._streams is None:
                 # Every rank runs the same ops, so every rank fails here and goes on eagerly.
-                self._streams = None
+                # (A pipeline stage's micro-batches need every set: each holds one live.)
+                self._graphs, self._streams = [], None
                 self.graphs_blocked = self.overlap_blocked = f"capture failed: {e}"
                 print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
                       file=sys.stderr, flush=True)
@@ -661,7 +668,9 @@ class StageRuntime:
         graph = state.graphed.pop(key, None)
         if graph is not None:
             with self._replaying(state, "B", action.mb):
-                graph.backward()
+                input_grad = graph.backward(state.grad_out.get(key))
+            if input_grad is not None:
+                state.inputs[key].grad = input_grad  # what SEND_B sends, as after an eager backward
             self.tracker.backward_done(key)
             return
         self._join()
