@@ -11,10 +11,10 @@ while its host ops do not.
 A stage keeps as many graph sets as its program holds micro-batches live (one at pp=1
 under 1F1B; up to pp - stage on a pipeline stage): micro-batch `i` replays set
 `i mod sets`, whose buffers the micro-batch `sets` earlier has left by then, since
-forwards and backwards each run in micro-batch order. A pipeline stage's graphs start from
-the received activation (copied into the captured input) and, but on the last stage, end
-its backward at the received output gradient; what is sent (the output, the input's
-gradient) is a copy, so a send in flight never reads a buffer the next replay writes.
+forwards and backwards each run in micro-batch order. A pipeline stage's forward starts
+from the received activation (copied into the captured input), and its backward from the
+received output gradient (the last stage's from its loss); what is sent (the output, the
+input's gradient) is a copy, so a send in flight never reads a buffer the next replay writes.
 
 What a replay relies on, and how the stage keeps it true:
 - inputs, outputs and saved activations live at fixed addresses (the graph's memory pool):
