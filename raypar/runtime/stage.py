@@ -236,6 +236,8 @@ class StageRuntime:
         self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = len({a.mb for a in self.program if a.op == Op.F})
         self._graphs = []
+        # Graph sets a program replaying one micro-batch after another needs (None: out of order).
+        self._graph_sets = live_microbatches(self.program)
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # None, or why its graphed micro-batches run one after another rather than overlapped.
@@ -609,7 +611,7 @@ class StageRuntime:
         if sharded and self.optimizer.overlaps_reduction() and mb == self._n_mb - 1:
             return None  # eager: its backward queues each bucket's reduction once the bucket is full
         key = graph_key(inputs, self._n_mb)
-        sets = MicroBatchStreams.SETS if self._streams is not None else live_microbatches(self.program)
+        sets = MicroBatchStreams.SETS if self._streams is not None else self._graph_sets
         if len(self._graphs) == sets and self._graphs[0].key == key:
             return self._graphs[mb % sets]
         if state.forwards:
