@@ -7,7 +7,7 @@ import torch
 from raypar.model.moe import MoEStats
 from raypar.runtime.graphs import graphs_blocked, live_microbatches, overlap_blocked, wants_backward_ep_group
 from raypar.runtime.memory import ActivationTracker
-from raypar.schedule import build_programs
+from raypar.schedule import Action, Op, build_programs
 from raypar.topology import Grid
 
 from helpers import tiny_config
@@ -37,15 +37,15 @@ def test_graph_sets_follow_the_microbatches_a_stage_holds_live(schedule, pp, m, 
     assert [live_microbatches(p) for p in build_programs(schedule, pp, m)] == sets
 
 
-def test_several_chunks_a_stage_run_eagerly(tmp_path):
+def test_several_chunks_a_stage_take_a_graph_set_per_live_microbatch_of_each(tmp_path):
     cfg = tiny_config(tmp_path, parallel={"pp": 2})
-    program = build_programs("interleaved-1f1b", 2, 4, chunks=2)[0]
-    assert "several model chunks" in graphs_blocked(cfg, Grid(1, 2, 1), program, CUDA)
+    programs = build_programs("interleaved-1f1b", 2, 4, chunks=2)
+    assert all(graphs_blocked(cfg, Grid(1, 2, 1), p, CUDA) is None for p in programs)
+    sets = [[live_microbatches(p, chunk) for chunk in (0, 1)] for p in programs]
+    assert all(1 <= n <= 4 for stage in sets for n in stage), sets
 
 
 def test_microbatches_out_of_order_have_no_graph_sets():
-    from raypar.schedule import Action, Op
-
     assert live_microbatches([Action(Op.F, 0), Action(Op.F, 1), Action(Op.B, 1), Action(Op.B, 0)]) is None
 
 
@@ -156,18 +156,18 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
     cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
     with one_cpu_stage(tmp_path, cfg) as runtime:
         inputs = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), None)
-        first_forward = SimpleNamespace(forwards=0)
+        first_forward = SimpleNamespace(backwards=0)
 
         runtime.graphs_blocked, runtime.overlap_blocked, runtime._streams = None, None, Streams()
-        assert runtime._graph_for(first_forward, inputs, 1) is made[0]
+        assert runtime._graph_for(first_forward, inputs, Action(Op.F, 0)) is made[0]
         assert runtime._streams is None and "the second graph set failed to capture" in runtime.overlap_blocked
         assert runtime.graphs_blocked is None
         assert "MoE micro-batches replay one after another" in capsys.readouterr().err
         # The next micro-batches replay the one set, captured once.
-        assert runtime._graph_for(SimpleNamespace(forwards=1), inputs, 1) is made[0] and len(made) == 1
+        assert runtime._graph_for(SimpleNamespace(backwards=1), inputs, Action(Op.F, 1)) is made[0] and len(made) == 1
 
         made.clear()
         Graph.works = 0
-        runtime._graphs, runtime._streams = [], Streams()
-        assert runtime._graph_for(first_forward, inputs, 0) is None
+        runtime._graphs, runtime._streams = {}, Streams()
+        assert runtime._graph_for(first_forward, inputs, Action(Op.F, 0)) is None
         assert runtime.graphs_blocked.startswith("capture failed") and runtime._streams is None

@@ -56,17 +56,17 @@ def graphs_blocked(cfg: Config, grid: Grid, program: Sequence[Action], device: t
         return "runtime.moe_alltoall=exact reads split sizes on the host"
     if any(a.op in (Op.I, Op.W) for a in program):
         return "the program splits backward into I and W"
-    if any(a.chunk for a in program if a.op.is_compute):
-        return "the stage holds several model chunks (an interleaved or V schedule)"
-    if live_microbatches(program) is None:
-        return "the program runs forwards or backwards out of micro-batch order"
+    if any(live_microbatches(program, c) is None for c in {a.chunk for a in program if a.op.is_compute}):
+        return "the program runs a chunk's forwards or backwards out of micro-batch order"
     return None
 
 
-def live_microbatches(program: Sequence[Action]) -> int | None:
-    """The most micro-batches between their forward and backward at once: the graph sets a
-    stage needs. None when forwards or backwards do not each run in micro-batch order (the
-    set a micro-batch replays would then still be held by another)."""
+def live_microbatches(program: Sequence[Action], chunk: int = 0) -> int | None:
+    """The most micro-batches between their forward and backward of model chunk `chunk` at
+    once: the graph sets the chunk needs. None when its forwards or backwards do not each
+    run in micro-batch order (the set a micro-batch replays would then still be held by
+    another)."""
+    program = [a for a in program if a.chunk == chunk]
     forwards = [a.mb for a in program if a.op == Op.F]
     backwards = [a.mb for a in program if a.op == Op.B]
     if forwards != sorted(forwards) or backwards != sorted(backwards) or sorted(forwards) != sorted(backwards):
@@ -171,7 +171,8 @@ class MicroBatchGraph:
 
     def __init__(self, model: nn.Module, inputs: Sequence[Tensor | None], micro_batches: int,
                  reset: Callable[[], None], counters: Sequence[object] = (),
-                 backward: Callable[[Tensor, Tensor | None], None] = Tensor.backward, has_loss: bool = True):
+                 backward: Callable[[Tensor, Tensor | None], None] = Tensor.backward, has_loss: bool = True,
+                 chunk: int = 0):
         self.key = graph_key(inputs, micro_batches)
         self._counters = list(counters)
         # A received activation's gradient is what the stage sends back: the captured input keeps it.
@@ -187,7 +188,7 @@ class MicroBatchGraph:
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            out = model(*self._static)
+            out = model(*self._static, chunk)
             self._grad = None if has_loss else torch.zeros_like(out)  # the received output gradient goes here
             backward(root(out), self._grad)
             del out
@@ -199,7 +200,7 @@ class MicroBatchGraph:
             self._forward = torch.cuda.CUDAGraph()
             # thread_local: the data prefetch thread may pin memory meanwhile.
             with _saved_bytes(model) as saved, torch.cuda.graph(self._forward, capture_error_mode="thread_local"):
-                self._out = model(*self._static)
+                self._out = model(*self._static, chunk)
                 start = root(self._out)
             self.saved_bytes = sum(saved.values())
             middle = self._bytes()

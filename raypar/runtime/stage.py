@@ -74,7 +74,7 @@ class _StepState:
     # Forwards that replayed a CUDA graph, and the graph their backward replays.
     graphed: dict[tuple[int, int], MicroBatchGraph] = field(default_factory=dict)
     graphed_count: int = 0
-    forwards: int = 0  # forwards issued: graphs are captured at a step's first
+    backwards: int = 0  # backwards issued: a chunk's graphs are captured before the step's first
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
     issued: list[float] = field(default_factory=list)  # wall clock when the host began each unit
     released: int = 0
@@ -205,7 +205,7 @@ class StageRuntime:
         # This program's captured micro-batch (runtime.cuda_graphs): a graph set per
         # micro-batch the program holds live, or two that alternate when micro-batches
         # overlap (runtime.moe_microbatch_overlap).
-        self._graphs: list[MicroBatchGraph] = []
+        self._graphs: dict[int, list[MicroBatchGraph]] = {}  # by model chunk
         self._streams: MicroBatchStreams | None = None
         # The last step's units the device had not finished when it reported: (step, marks,
         # the clock's anchor then, so one step's times all come from one anchor).
@@ -235,9 +235,10 @@ class StageRuntime:
         self._units = comm_groups(self.program)  # what runs
         self._program_units = program_units(self.program)  # what a unit's times are of
         self._n_mb = len({a.mb for a in self.program if a.op == Op.F})
-        self._graphs = []
-        # Graph sets a program replaying one micro-batch after another needs (None: out of order).
-        self._graph_sets = live_microbatches(self.program)
+        self._graphs = {}
+        # Graph sets each model chunk needs when its micro-batches replay one after another
+        # (None: out of order).
+        self._graph_sets = {c: live_microbatches(self.program, c) for c in {a.chunk for a in self.program if a.op.is_compute}}
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # None, or why its graphed micro-batches run one after another rather than overlapped.
@@ -386,7 +387,8 @@ class StageRuntime:
             data_window_bytes=self.dataset.window.bytes if self._prefetch is not None else 0,
             optimizer_bytes=self._optimizer_bytes,
             buckets=buckets, buckets_early=early, microbatches=self._n_mb,
-            graphed_microbatches=state.graphed_count,
+            # Each micro-batch's forward runs once per chunk this stage holds.
+            graphed_microbatches=state.graphed_count // self.layout.n_chunks,
             overlapped_microbatches=state.graphed_count if self._streams is not None else 0,
             grads=grads, complete=not unfinished,
             pending_units=len(marks) - n_done, late_step=late_step, late_times=late_times, issued=state.issued,
@@ -499,7 +501,7 @@ class StageRuntime:
         """Forget a step issued ahead, and the captured graph: the weights or the program
         change before the next step runs."""
         self._ahead = None
-        self._graphs = []
+        self._graphs = {}
 
     def report_tail(self, step: int) -> ReportTail:
         """Wait for the device to pass step `step`, reported ahead of it (`StepReport.complete`),
@@ -573,8 +575,7 @@ class StageRuntime:
         has_loss = self.layout.next(self.stage, chunk) is None
         target = state.labels[mb] if has_loss else None
         seeds = state.seeds[mb] if state.seeds is not None else None
-        graph = self._graph_for(state, (x, target, seeds), mb, has_loss)
-        state.forwards += 1
+        graph = self._graph_for(state, (x, target, seeds), action, has_loss)
         if graph is not None:
             self._weights_gathered()  # what the forward pre-hooks do eagerly
             with self._replaying(state, "F", mb):
@@ -601,34 +602,41 @@ class StageRuntime:
         self.tracker.hold(key, out)
         return out
 
-    def _graph_for(self, state: "_StepState", inputs, mb: int, has_loss: bool = True) -> MicroBatchGraph | None:
-        """The CUDA graph micro-batch `mb`'s forward and backward replay, captured first if
-        need be; None to run them eagerly. Micro-batch `mb` replays graph set `mb mod sets`:
-        a set's activations stay until its micro-batch's backward, while later ones' run."""
+    def _graph_for(self, state: "_StepState", inputs, action: Action, has_loss: bool = True) -> MicroBatchGraph | None:
+        """The CUDA graph the forward and backward of `action`'s micro-batch and chunk replay,
+        captured first if need be; None to run them eagerly. Micro-batch `mb` replays its
+        chunk's graph set `mb mod sets`: a set's activations stay until its micro-batch's
+        backward, while later ones' run."""
         if self.graphs_blocked is not None:
             return None
+        mb, chunk = action.mb, action.chunk
         sharded = isinstance(self.optimizer, ShardedOptimizer)
         if sharded and self.optimizer.overlaps_reduction() and mb == self._n_mb - 1:
             return None  # eager: its backward queues each bucket's reduction once the bucket is full
         key = graph_key(inputs, self._n_mb)
-        sets = MicroBatchStreams.SETS if self._streams is not None else self._graph_sets
-        if len(self._graphs) == sets and self._graphs[0].key == key:
-            return self._graphs[mb % sets]
-        if state.forwards:
-            return None  # capture at a step's first forward: the warm-up's gradients are zeroed after it
-        self._graphs = []  # their memory pools go before the next ones are made
+        sets = MicroBatchStreams.SETS if self._streams is not None else self._graph_sets[chunk]
+        graphs = self._graphs.get(chunk, [])
+        if len(graphs) == sets and graphs[0].key == key:
+            return graphs[mb % sets]
+        if mb != 0 or state.backwards:
+            # Capture at the chunk's first forward of a step, before any backward: the
+            # warm-up's gradients are zeroed after it.
+            return None
+        self._graphs.pop(chunk, None)  # their memory pools go before the next ones are made
         self._weights_gathered()
+        graphs = []
         try:
             with self.optimizer.reductions_paused() if sharded else nullcontext():
+                undo = self._undo_warm_up()
                 for _ in range(sets):
-                    self._graphs.append(MicroBatchGraph(self.model, inputs, self._n_mb, reset=self._undo_warm_up,
-                                                        counters=[m.stats for m in self.moe_layers.values()],
-                                                        backward=self._whole_backward, has_loss=has_loss))
+                    graphs.append(MicroBatchGraph(self.model, inputs, self._n_mb, reset=undo,
+                                                  counters=[m.stats for m in self.moe_layers.values()],
+                                                  backward=self._whole_backward, has_loss=has_loss, chunk=chunk))
         except GraphCaptureError as e:
-            if not self._graphs or self._streams is None:
+            if not graphs or self._streams is None:
                 # Every rank runs the same ops, so every rank fails here and goes on eagerly.
                 # (A pipeline stage's micro-batches need every set: each holds one live.)
-                self._graphs, self._streams = [], None
+                self._graphs, self._streams = {}, None
                 self.graphs_blocked = self.overlap_blocked = f"capture failed: {e}"
                 print(f"stage {self.stage} rank {self.rank}: CUDA graphs off for this program, {self.graphs_blocked}",
                       file=sys.stderr, flush=True)
@@ -636,11 +644,12 @@ class StageRuntime:
             # The first set captured, so what failed is most likely the room for a second
             # micro-batch's activations: keep the graphs, one micro-batch after another. The
             # communicators stay as they are, so ranks that still overlap meet this one.
-            self._graphs, self._streams = self._graphs[:1], None
+            graphs, self._streams = graphs[:1], None
             self.overlap_blocked = f"the second graph set failed to capture: {e}"
             print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
                   f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
-        return self._graphs[mb % len(self._graphs)]
+        self._graphs[chunk] = graphs
+        return graphs[mb % len(graphs)]
 
     @contextmanager
     def _replaying(self, state: "_StepState", direction: str, mb: int) -> Iterator[None]:
@@ -659,24 +668,26 @@ class StageRuntime:
         if self._streams is not None:
             self._streams.join()
 
-    def _undo_warm_up(self) -> None:
-        """What a graph's eager warm-up left: gradients (the step had none yet) and MoE counters."""
-        self.optimizer.zero_grad()
-        for moe in self.moe_layers.values():
-            moe.stats.reset()
+    def _undo_warm_up(self) -> Callable[[], None]:
+        """What undoes a graph's eager warm-up: the gradients it accumulated (the step has none
+        yet) and what it added to the MoE counters (those of this step's earlier forwards stay)."""
+        stats = [m.stats for m in self.moe_layers.values()]
+        kept = [(s, s.routed.clone() if s.routed is not None else None,
+                 s.dropped.clone() if s.dropped is not None else None) for s in stats]
+
+        def undo() -> None:
+            self.optimizer.zero_grad()
+            for s, routed, dropped in kept:
+                for counter, value in ((s.routed, routed), (s.dropped, dropped)):
+                    if counter is not None and value is not None:
+                        counter.copy_(value)
+                    elif counter is not None:
+                        counter.zero_()
+        return undo
 
     def _backward(self, state: "_StepState", action: Action) -> None:
         key = action.key
-        graph = state.graphed.pop(key, None)
-        if graph is not None:
-            with self._replaying(state, "B", action.mb):
-                input_grad = graph.backward(state.grad_out.get(key))
-            if input_grad is not None:
-                state.inputs[key].grad = input_grad  # what SEND_B sends, as after an eager backward
-            self.tracker.backward_done(key)
-            return
-        self._join()
-        out = state.outputs[key]
+        state.backwards += 1
         target = self.layout.next(self.stage, action.chunk)
         if target is None:
             grad = None
@@ -684,6 +695,17 @@ class StageRuntime:
             grad = state.inputs[target[1], action.mb].grad
         else:
             grad = state.grad_out[key]
+        graph = state.graphed.pop(key, None)
+        if graph is not None:
+            with self._replaying(state, "B", action.mb):
+                input_grad = graph.backward(grad)
+            if input_grad is not None:
+                # What SEND_B sends, or the chunk before on this stage reads, as after an eager backward.
+                state.inputs[key].grad = input_grad
+            self.tracker.backward_done(key)
+            return
+        self._join()
+        out = state.outputs[key]
         if action.op == Op.B:
             self._whole_backward(out, grad)
         else:
