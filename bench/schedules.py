@@ -28,6 +28,10 @@ for _s in SCHEDULES:
 # 1F1B's stages with their micro-batches issued op by op rather than replayed as CUDA graphs.
 KINDS["1f1b-eager"] = [*KINDS["1f1b"], "runtime.cuda_graphs=false"]
 KINDS["1f1b-auto-eager"] = [*KINDS["1f1b-auto"], "runtime.cuda_graphs=false"]
+KINDS["interleaved-1f1b-auto-eager"] = [*KINDS["interleaved-1f1b-auto"], "runtime.cuda_graphs=false"]
+# Interleaved 1F1B with more model chunks per stage: a smaller bubble, more sends.
+for _v in (3, 4):
+    KINDS[f"interleaved-1f1b-v{_v}-auto"] = [*KINDS["interleaved-1f1b-auto"], f"parallel.chunks={_v}"]
 # The ideal (pp1), the plain schedules and those on cost-balanced stages.
 DEFAULT_KINDS = ["pp1", "1f1b", "zb-h2", "interleaved-1f1b", "zb-v", "1f1b-auto", "zb-h2-auto",
                  "interleaved-1f1b-auto", "zb-v-auto"]
