@@ -198,17 +198,20 @@ def test_graphed_pipeline_stages_equal_eager(ray_session, tmp_path, gpus, parall
         torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
 
 
-def test_graphed_interleaved_stages_equal_eager(ray_session, tmp_path):
-    """Interleaved 1F1B at pp=2, two chunks a stage, bf16 with dropout: each chunk replays a
-    graph set per micro-batch it holds live; a chunk's output handed to the next chunk on
-    the same stage and that input's gradient handed back are the graphs' copies. Losses,
-    gradients and weights equal the same run eagerly."""
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"])
+def test_graphed_chunked_and_split_stages_equal_eager(ray_session, tmp_path, schedule):
+    """Interleaved 1F1B (two chunks a stage) and the zero-bubble schedules (backward split
+    into I and W; ZB-V also two chunks) at pp=2, bf16 with dropout: each chunk replays a
+    graph set per micro-batch it holds live until its backward ends (B, or W); a chunk's
+    output handed to the next chunk on the same stage and that input's gradient handed back
+    are the graphs' copies; W replays what its I left. Losses, gradients and weights equal
+    the same run eagerly."""
     _need_gpus(2)
-    plan = [("interleaved-1f1b", 4), ("interleaved-1f1b", 4), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)]
+    plan = [(schedule, 4), (schedule, 4), (schedule, 2), (schedule, 4)]
 
     def cfg(name, graphs):
         return tiny_config(tmp_path / name, model={"dropout": 0.1, "dtype": "bfloat16"},
-                           parallel={"dp": 1, "pp": 2, "schedule": "interleaved-1f1b", "microbatches": 4},
+                           parallel={"dp": 1, "pp": 2, "schedule": schedule, "microbatches": 4},
                            train={"global_batch_size": 16},
                            runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs})
 

@@ -32,6 +32,8 @@ def test_one_chunk_schedules_on_gpu_take_graphs(tmp_path):
 @pytest.mark.parametrize("schedule, pp, m, sets", [
     ("1f1b", 1, 4, [1]), ("fthenb", 1, 4, [4]), ("1f1b", 2, 8, [2, 1]), ("1f1b", 4, 8, [4, 3, 2, 1]),
     ("1f1b", 4, 2, [2, 2, 2, 1]), ("fthenb", 3, 3, [3, 3, 3]),
+    # Split backward: a micro-batch holds its set until its W (ZB-H1 as 1F1B's first stage, ZB-H2 2p - 1).
+    ("zb-h1", 2, 8, [2, 2]), ("zb-h1", 4, 8, [4, 4, 4, 4]), ("zb-h2", 2, 8, [3, 3]), ("zb-h2", 4, 8, [7, 7, 7, 7]),
 ])
 def test_graph_sets_follow_the_microbatches_a_stage_holds_live(schedule, pp, m, sets):
     assert [live_microbatches(p) for p in build_programs(schedule, pp, m)] == sets
@@ -47,6 +49,17 @@ def test_several_chunks_a_stage_take_a_graph_set_per_live_microbatch_of_each(tmp
 
 def test_microbatches_out_of_order_have_no_graph_sets():
     assert live_microbatches([Action(Op.F, 0), Action(Op.F, 1), Action(Op.B, 1), Action(Op.B, 0)]) is None
+    # W out of order holds micro-batch 0's set while micro-batch 1's W runs.
+    split = [Action(Op.F, 0), Action(Op.F, 1), Action(Op.I, 0), Action(Op.I, 1), Action(Op.W, 1), Action(Op.W, 0)]
+    assert live_microbatches(split) is None
+    assert live_microbatches(split[:4] + [Action(Op.W, 0), Action(Op.W, 1)]) == 2
+
+
+def test_split_backward_schedules_take_graphs_for_every_chunk(tmp_path):
+    cfg = tiny_config(tmp_path, parallel={"pp": 2})
+    for schedule, chunks in (("zb-h1", None), ("zb-h2", None), ("zb-v", 2), ("zb-v-half", 2)):
+        programs = build_programs(schedule, 2, 8, chunks=chunks)
+        assert all(graphs_blocked(cfg, Grid(1, 2, 1), p, CUDA) is None for p in programs), schedule
 
 
 @pytest.mark.parametrize("case, why", [
@@ -54,8 +67,7 @@ def test_microbatches_out_of_order_have_no_graph_sets():
     (dict(runtime={"cuda_graphs": False}), "runtime.cuda_graphs is off"),
     (dict(runtime={"recompute": "block"}), "runtime.recompute"),
     (dict(grid=(1, 1, 2), model={"n_experts": 4}, runtime={"moe_alltoall": "exact"}), "moe_alltoall=exact"),
-    (dict(schedule="zb-h1"), "splits backward into I and W"),
-], ids=["cpu", "off", "recompute", "exact", "zb"])
+], ids=["cpu", "off", "recompute", "exact"])
 def test_what_keeps_a_program_eager_is_named(tmp_path, case, why):
     assert why in _blocked(tmp_path, **case)
 

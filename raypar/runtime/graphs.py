@@ -15,6 +15,9 @@ forwards and backwards each run in micro-batch order. A pipeline stage's forward
 from the received activation (copied into the captured input), and its backward from the
 received output gradient (the last stage's from its loss); what is sent (the output, the
 input's gradient) is a copy, so a send in flight never reads a buffer the next replay writes.
+A stage with several model chunks keeps sets per chunk. Where the schedule splits backward
+(zero-bubble: I, then W later), backward is two graphs, and a micro-batch holds its set
+until its W.
 
 What a replay relies on, and how the stage keeps it true:
 - inputs, outputs and saved activations live at fixed addresses (the graph's memory pool):
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from raypar.config import Config
+from raypar.model.split_backward import compute_weight_grads, drop_weight_grads, pending_tensors, weight_grads_deferred
 from raypar.schedule import Action, Op
 from raypar.topology import Grid
 
@@ -54,26 +58,25 @@ def graphs_blocked(cfg: Config, grid: Grid, program: Sequence[Action], device: t
         return "runtime.recompute is on"
     if cfg.model.n_experts and grid.ep > 1 and cfg.runtime.moe_alltoall != "padded":
         return "runtime.moe_alltoall=exact reads split sizes on the host"
-    if any(a.op in (Op.I, Op.W) for a in program):
-        return "the program splits backward into I and W"
     if any(live_microbatches(program, c) is None for c in {a.chunk for a in program if a.op.is_compute}):
         return "the program runs a chunk's forwards or backwards out of micro-batch order"
     return None
 
 
 def live_microbatches(program: Sequence[Action], chunk: int = 0) -> int | None:
-    """The most micro-batches between their forward and backward of model chunk `chunk` at
-    once: the graph sets the chunk needs. None when its forwards or backwards do not each
-    run in micro-batch order (the set a micro-batch replays would then still be held by
-    another)."""
+    """The most micro-batches of model chunk `chunk` live at once, from their forward to the
+    end of their backward (B, or W when backward is split): the graph sets the chunk needs.
+    None when its forwards, backwards' starts (B or I) or ends (B or W) do not each run in
+    micro-batch order (the set a micro-batch replays would then still be held by another)."""
     program = [a for a in program if a.chunk == chunk]
     forwards = [a.mb for a in program if a.op == Op.F]
-    backwards = [a.mb for a in program if a.op == Op.B]
-    if forwards != sorted(forwards) or backwards != sorted(backwards) or sorted(forwards) != sorted(backwards):
+    starts = [a.mb for a in program if a.op in (Op.B, Op.I)]
+    ends = [a.mb for a in program if a.op in (Op.B, Op.W)]
+    if any(order != sorted(order) for order in (forwards, starts, ends)) or not sorted(forwards) == starts == ends:
         return None
     live = most = 0
     for a in program:
-        live += (a.op == Op.F) - (a.op == Op.B)
+        live += (a.op == Op.F) - (a.op in (Op.B, Op.W))
         most = max(most, live)
     return most
 
@@ -167,13 +170,30 @@ class MicroBatchGraph:
     `backward` runs a backward from a root and its gradient (the stage's way: see
     `runtime.moe_backward_overlap`), by default `Tensor.backward`.
     `saved_bytes`: what a forward keeps for its backward (parameters aside), as the
-    activation tracker would count it."""
+    activation tracker would count it.
+
+    With `split` (a program that runs backward as I then W), backward is captured as two
+    graphs: I, the input's gradient, with the split layers' weight gradients left for later
+    (`split_backward`), and W, which computes them from what I left in the graph's pool
+    (`held_bytes`)."""
 
     def __init__(self, model: nn.Module, inputs: Sequence[Tensor | None], micro_batches: int,
                  reset: Callable[[], None], counters: Sequence[object] = (),
                  backward: Callable[[Tensor, Tensor | None], None] = Tensor.backward, has_loss: bool = True,
-                 chunk: int = 0):
+                 chunk: int = 0, split: bool = False):
         self.key = graph_key(inputs, micro_batches)
+        self.split = split
+        self.held_bytes = 0
+        self._weights: torch.cuda.CUDAGraph | None = None
+        deferred = ("graph", id(self))  # the key this graph's I leaves its weight gradients under
+
+        def input_grad_backward(start: Tensor, grad: Tensor | None) -> None:
+            if not split:
+                backward(start, grad)
+                return
+            with weight_grads_deferred(deferred):
+                backward(start, grad)
+
         self._counters = list(counters)
         # A received activation's gradient is what the stage sends back: the captured input keeps it.
         self._static = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
@@ -190,7 +210,8 @@ class MicroBatchGraph:
         with torch.cuda.stream(side):
             out = model(*self._static, chunk)
             self._grad = None if has_loss else torch.zeros_like(out)  # the received output gradient goes here
-            backward(root(out), self._grad)
+            input_grad_backward(root(out), self._grad)
+            compute_weight_grads(deferred)
             del out
         current.wait_stream(side)
         reset()
@@ -206,14 +227,21 @@ class MicroBatchGraph:
             middle = self._bytes()
             self._backward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._backward, pool=self._forward.pool(), capture_error_mode="thread_local"):
-                backward(start, self._grad)
+                input_grad_backward(start, self._grad)
             after = self._bytes()
+            if split:
+                self.held_bytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                                       for t in pending_tensors(deferred)}.values())
+                self._weights = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._weights, pool=self._forward.pool(), capture_error_mode="thread_local"):
+                    compute_weight_grads(deferred)
             self._input_grad = x.grad
             # Let the captured autograd nodes go: eager forwards then make their own, on
             # their own stream (a kept AccumulateGrad node would tie them to the capture's).
             self._out = self._out.detach()
             del start
         except RuntimeError as e:  # an op that syncs with the host, or that capture does not support
+            drop_weight_grads(deferred)
             reset()
             for c, n in zip(self._counters, before):
                 c.alltoall_bytes = n
@@ -236,13 +264,20 @@ class MicroBatchGraph:
 
     def backward(self, grad: Tensor | None = None) -> Tensor | None:
         """Replay the backward of the last forward from the output gradient `grad` (None on
-        the stage with the loss): parameter gradients accumulate where eager ones would.
-        Returns a copy of the input's gradient, None where the input is tokens."""
+        the stage with the loss): parameter gradients accumulate where eager ones would (with
+        `split`, those of the split layers at `weights`). Returns a copy of the input's
+        gradient, None where the input is tokens."""
         if self._grad is not None:
             self._grad.copy_(grad, non_blocking=True)
         self._backward.replay()
         self._advance(self._backward_bytes)
         return self._input_grad.clone() if self._input_grad is not None else None
+
+    def weights(self) -> None:
+        """W (with `split`): replay the weight gradients the last backward left."""
+        if self._weights is None:
+            raise RuntimeError("this graph's backward is whole (captured without split): it has no W to replay")
+        self._weights.replay()
 
     def _bytes(self) -> list[int]:
         return [c.alltoall_bytes for c in self._counters]

@@ -56,7 +56,8 @@ class ActivationTracker:
             self._held.setdefault(mb, {}).setdefault(storage._cdata, storage)
 
     def hold_graphed(self, mb: int, nbytes: int) -> None:
-        """Micro-batch `mb`'s forward ran as a CUDA graph that keeps `nbytes` for its backward."""
+        """Micro-batch `mb`'s forward ran as a CUDA graph that keeps `nbytes` for its backward
+        (or its I did, keeping `nbytes` for its W)."""
         self._graphed[mb] = nbytes
 
     def hold_for_weights(self, mb, tensors: list[torch.Tensor]) -> None:
@@ -68,8 +69,9 @@ class ActivationTracker:
                 table.setdefault(storage._cdata, storage)
 
     def weights_done(self, mb) -> None:
-        """W ran: its inputs are let go."""
+        """W ran: its inputs are let go (a graphed W's, counted by `hold_graphed` after its I)."""
         self._weights.pop(mb, None)
+        self._graphed.pop(mb, None)
 
     def backward_done(self, mb: int) -> None:
         """Autograd frees what it saved for `mb` once its backward has run."""

@@ -73,6 +73,7 @@ class _StepState:
     losses: list[torch.Tensor] = field(default_factory=list)  # the stage with the head only
     # Forwards that replayed a CUDA graph, and the graph their backward replays.
     graphed: dict[tuple[int, int], MicroBatchGraph] = field(default_factory=dict)
+    awaiting_weights: dict[tuple[int, int], MicroBatchGraph] = field(default_factory=dict)  # graphed I, W to come
     graphed_count: int = 0
     backwards: int = 0  # backwards issued: a chunk's graphs are captured before the step's first
     marks: list[tuple[object, object]] = field(default_factory=list)  # (start, end) per unit issued
@@ -255,7 +256,7 @@ class StageRuntime:
                       f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
-        splits = any(a.op in (Op.I, Op.W) for a in self.program)
+        splits = self._splits = any(a.op in (Op.I, Op.W) for a in self.program)
         self._overlaps_exchanges = not splits and (
             (self.cfg.runtime.moe_backward_overlap and self.grid.ep > 1 and bool(self.moe_layers)
              and self.cfg.runtime.moe_alltoall == "padded")
@@ -440,7 +441,11 @@ class StageRuntime:
             if self.cfg.runtime.release:
                 self._after_backward(state, head)
         elif head.op == Op.W:
-            compute_weight_grads(head.key)
+            graph = state.awaiting_weights.pop(head.key, None)
+            if graph is not None:
+                graph.weights()
+            else:
+                compute_weight_grads(head.key)
             self.tracker.weights_done(head.key)
         elif head.op == Op.RELEASE_OUT:
             out = state.outputs[head.key]
@@ -631,7 +636,8 @@ class StageRuntime:
                 for _ in range(sets):
                     graphs.append(MicroBatchGraph(self.model, inputs, self._n_mb, reset=undo,
                                                   counters=[m.stats for m in self.moe_layers.values()],
-                                                  backward=self._whole_backward, has_loss=has_loss, chunk=chunk))
+                                                  backward=self._whole_backward, has_loss=has_loss, chunk=chunk,
+                                                  split=self._splits))
         except GraphCaptureError as e:
             if not graphs or self._streams is None:
                 # Every rank runs the same ops, so every rank fails here and goes on eagerly.
@@ -699,10 +705,15 @@ class StageRuntime:
         if graph is not None:
             with self._replaying(state, "B", action.mb):
                 input_grad = graph.backward(grad)
+                if graph.split and action.op == Op.B:
+                    graph.weights()
             if input_grad is not None:
                 # What SEND_B sends, or the chunk before on this stage reads, as after an eager backward.
                 state.inputs[key].grad = input_grad
             self.tracker.backward_done(key)
+            if action.op == Op.I:
+                state.awaiting_weights[key] = graph
+                self.tracker.hold_graphed(key, graph.held_bytes)
             return
         self._join()
         out = state.outputs[key]
