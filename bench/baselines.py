@@ -66,7 +66,7 @@ ZERO_BUBBLE = ["zb-h1", "zb-h2"]
 # paired with torch's that place chunks alike (TORCH_COUNTERPART).
 CHUNKED = ["interleaved-1f1b", "zb-v", "zb-v-half"]
 # Stages balanced by modelled cost (the head's work spread over fewer layers on its stage).
-BALANCED = ["zb-h2", "zb-v"]
+BALANCED = ["zb-h2", "interleaved-1f1b", "zb-v"]
 # torch's schedules with two model chunks per process (the model in 4 stages over the 2
 # processes), by how the chunks are placed: "loop" (stages r and r + 2 on rank r) or "v"
 # (stages r and 3 - r, so rank 0 holds the first and the last), as raypar's layouts.
