@@ -226,12 +226,11 @@ class RuntimeConfig:
     # them while it travels. Off: every such exchange is waited for in line.
     tp_backward_overlap: bool = True
     # On GPU, each micro-batch's forward and backward on a stage replay CUDA graphs captured
-    # at the first step, one graph set per micro-batch the schedule holds live: the host
-    # issues two launches per micro-batch instead of every op (MoE layers issue ~60 a layer
-    # and direction; a tp stage's device time halves, its host ops do not). Runs eagerly
-    # where a graph cannot hold what the step does: activation recompute, the exact
-    # all-to-all, split backward (I/W), several model chunks per stage (interleaved, V
-    # schedules) (docs/concepts.md).
+    # at the first step, one graph set per micro-batch the schedule holds live (per model
+    # chunk; a split backward's I and W are two graphs): the host issues a few launches per
+    # micro-batch instead of every op (MoE layers issue ~60 a layer and direction; a tp
+    # stage's device time halves, its host ops do not). Runs eagerly where a graph cannot
+    # hold what the step does: activation recompute, the exact all-to-all (docs/concepts.md).
     cuda_graphs: bool = True
     # With those graphs, on MoE layers with parallel.ep > 1 (tp=1): consecutive micro-batches
     # replay on two streams, each forward beside the previous micro-batch's backward, so
