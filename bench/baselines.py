@@ -56,7 +56,8 @@ NOTES = ("same data, initialisation and optimizer in every row (equal final loss
          "raypar auto: parallel.schedule=auto (its first two steps time zb-h1, the finalists run two steps each, on "
          "their own cut of the model, the workers moved there); its tokens/s over the whole run (the first "
          "step left out, as every row's), and its steps after the choice's first against the fastest schedule "
-         "measured here.")
+         "measured here on the same kind of cut (raypar auto, layers_per_stage=auto: every candidate on stages "
+         "balanced by cost, against the balanced rows).")
 
 # (raypar parallel.schedule, the torch.distributed.pipelining schedule that does the same)
 SCHEDULES = [("1f1b", "Schedule1F1B"), ("fthenb", "ScheduleGPipe")]
@@ -119,17 +120,21 @@ def run(ctx: "Context") -> list[dict]:
                     label, c, *ctx.fit(c, label, fresh=launch > 0), schedule=paired, zero_bubble=True,
                     breakdown=step_breakdown(c.runtime.run_dir)))
             if launch == 0:
-                # parallel.schedule=auto: what it chose from its timed steps, against every schedule measured.
-                label = "raypar auto"
+                # parallel.schedule=auto: what it chose from its timed steps, against every schedule
+                # measured on the same kind of cut (even, or balanced by cost).
                 from raypar.schedule.choice import TIMING_STEPS, TRIAL_STEPS, candidate_layouts
 
                 # Enough steps to time, try every other schedule and run the choice for a while.
                 p = cfg.parallel
                 candidates = candidate_layouts(p.pp, p.microbatches, cfg.model.n_layers, p.chunks)
                 choice_steps = TIMING_STEPS + (len(candidates) - 1) * TRIAL_STEPS
-                c = ctx.config(["parallel.schedule=auto", "runtime.release=true"], label,
-                               steps=max(ctx.default_steps(), choice_steps + AFTER_CHOICE_STEPS))
-                rows += ctx.attempt(label, lambda label=label, c=c: auto_row(ctx, label, c))
+                for split in ("",) if ctx.cpu else ("", "auto"):  # on CPU: the harness, once
+                    label = "raypar auto" + (f", layers_per_stage={split}" if split else "")
+                    c = ctx.config(["parallel.schedule=auto", "runtime.release=true",
+                                    *([f"parallel.layers_per_stage={split}"] if split else [])], label,
+                                   steps=max(ctx.default_steps(), choice_steps + AFTER_CHOICE_STEPS))
+                    rows += ctx.attempt(label, lambda label=label, c=c, split=split:
+                                        auto_row(ctx, label, c) | {"balanced": bool(split)})
         # Every torch schedule in one pair of processes: a launch (imports, CUDA, NCCL) costs more than a run.
         torch_names = names + (list(MULTI_CHUNK) if not ctx.quick and launch == 0 else [])
         rows += ctx.attempt("torch.distributed.pipelining " + ", ".join(torch_names),
@@ -260,8 +265,10 @@ def compare(rows: list[dict], cfg: "Config") -> None:
             if max(one_f_one_b.get(key) or [0]) and r.get(key):
                 r["peak_vs_1f1b"] = max(r[key]) / max(one_f_one_b[key])
     fixed = {f"raypar {s}" for s in [*(s for s, _ in SCHEDULES), *ZERO_BUBBLE, *CHUNKED]}
-    measured = [r for r in rows if r.get("label") in fixed and "tokens_per_s" in r]
+    balanced = {f"raypar {s}, layers_per_stage=auto" for s in BALANCED}
     for r in rows:
+        labels = balanced if r.get("balanced") else fixed
+        measured = [x for x in rows if x.get("label") in labels and "tokens_per_s" in x]
         if r.get("auto") and "tokens_per_s" in r and measured:
             best = max(measured, key=lambda x: x["tokens_per_s"])
             r["chosen"] = r["schedule_choices"][0]["schedule"] if r.get("schedule_choices") else None
