@@ -239,7 +239,7 @@ class StageRuntime:
         self._graphs = {}
         # Graph sets each model chunk needs when its micro-batches replay one after another
         # (None: out of order).
-        self._graph_sets = {c: live_microbatches(self.program, c) for c in {a.chunk for a in self.program if a.op.is_compute}}
+        self._graph_sets = {c: live_microbatches(self.program, c) for c in chunks}
         # None, or why this program's micro-batches run eagerly rather than as CUDA graphs.
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # None, or why its graphed micro-batches run one after another rather than overlapped.
