@@ -183,3 +183,58 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
         runtime._graphs, runtime._streams = {}, Streams()
         assert runtime._graph_for(first_forward, inputs, Action(Op.F, 0)) is None
         assert runtime.graphs_blocked.startswith("capture failed") and runtime._streams is None
+
+
+def test_each_chunk_captures_its_sets_at_its_first_forward_before_any_backward(tmp_path, monkeypatch):
+    """A stage of several chunks captures a chunk's graph sets at that chunk's micro-batch 0,
+    unless a backward has run in the step (the warm-up's gradients are zeroed after it);
+    one chunk's capture keeps the other's sets. Split programs capture I and W apart."""
+    from types import SimpleNamespace
+
+    import raypar.runtime.stage as stage_module
+    from raypar.runtime.graphs import graph_key
+
+    from helpers import one_cpu_stage
+
+    made = []
+
+    class Graph:
+        def __init__(self, model, inputs, micro_batches, chunk=0, split=False, **_):
+            self.key, self.chunk, self.split = graph_key(inputs, micro_batches), chunk, split
+            made.append(self)
+
+    monkeypatch.setattr(stage_module, "MicroBatchGraph", Graph)
+    cfg = tiny_config(tmp_path, parallel={"pp": 1, "microbatches": 2})
+    with one_cpu_stage(tmp_path, cfg) as runtime:
+        inputs = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), None)
+        runtime.graphs_blocked, runtime._splits = None, True
+        runtime._graph_sets = {0: 2, 1: 1}  # as a two-chunk program holding 2 and 1 micro-batches live
+        fresh, after_backward = SimpleNamespace(backwards=0), SimpleNamespace(backwards=1)
+
+        first = runtime._graph_for(fresh, inputs, Action(Op.F, 0, chunk=0))
+        assert first is made[0] and len(made) == 2 and all(g.chunk == 0 and g.split for g in made)
+        assert runtime._graph_for(fresh, inputs, Action(Op.F, 1, chunk=0)) is made[1]
+        # Chunk 1: not at a later micro-batch, nor once a backward ran; then at its micro-batch 0.
+        assert runtime._graph_for(fresh, inputs, Action(Op.F, 1, chunk=1)) is None
+        assert runtime._graph_for(after_backward, inputs, Action(Op.F, 0, chunk=1)) is None
+        assert len(made) == 2
+        assert runtime._graph_for(fresh, inputs, Action(Op.F, 0, chunk=1)) is made[2] and made[2].chunk == 1
+        # Chunk 0's sets are kept and replayed, whatever the step has run since.
+        assert runtime._graph_for(after_backward, inputs, Action(Op.F, 0, chunk=0)) is first and len(made) == 3
+
+
+def test_a_warm_up_keeps_the_moe_counts_of_the_steps_earlier_forwards(tmp_path):
+    """A chunk captured mid-step (after another chunk's forwards) undoes only what its own
+    warm-up added to the MoE counters, in place (a replay adds into the captured tensors)."""
+    from helpers import one_cpu_stage
+
+    cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"pp": 1, "microbatches": 2})
+    with one_cpu_stage(tmp_path, cfg) as runtime:
+        stats = next(iter(runtime.moe_layers.values())).stats
+        stats.add(torch.tensor([1, 2, 0, 3]), torch.tensor(1))  # the step's forwards so far
+        routed, dropped = stats.routed, stats.dropped
+        undo = runtime._undo_warm_up()
+        stats.add(torch.tensor([5, 5, 5, 5]), torch.tensor(4))  # the warm-up's
+        undo()
+        assert stats.routed is routed and stats.dropped is dropped
+        assert routed.tolist() == [1, 2, 0, 3] and int(dropped) == 1
