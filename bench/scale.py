@@ -172,14 +172,13 @@ def peak_flops(ctx: "Context") -> float:
 def params_per_gpu(cfg: "Config") -> list[int]:
     """Parameters one worker of each pipeline stage holds (its expert share, replicated dense layers)."""
     from raypar.model import Transformer, num_params
-    from raypar.model.partition import split_layers, stage_layers
+    from raypar.model.partition import layer_parts, stage_halves
 
     p = cfg.parallel
-    ranges = split_layers(cfg.model.n_layers, p.pp, stage_layers(cfg.model, p.pp, p.layers_per_stage))
     out = []
     with torch.device("meta"):
-        for s, layers in enumerate(ranges):
-            stage = Transformer(cfg.model, layer_ids=layers, has_embed=s == 0, has_head=s == p.pp - 1,
+        for s, halves in enumerate(stage_halves(cfg.model, p.pp, p.layers_per_stage)):
+            stage = Transformer(cfg.model, layer_ids=layer_parts(halves), has_embed=s == 0, has_head=s == p.pp - 1,
                                 ep_rank=0, ep_size=p.ep)
             out.append(num_params(stage))
     return out

@@ -43,7 +43,7 @@ CPU_MODEL = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.
 def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
-    from raypar.model.partition import split_layers, stage_layers
+    from raypar.model.partition import stage_sizes
     from raypar.schedule import run_layout
 
     cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
@@ -51,8 +51,7 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
                        f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
     p = cfg.parallel
     n_virtual = run_layout(p.schedule, p.pp, p.chunks).n_virtual
-    split = [len(r) for r in split_layers(cfg.model.n_layers, n_virtual,
-                                          stage_layers(cfg.model, n_virtual, p.layers_per_stage))]
+    split = stage_sizes(cfg.model, n_virtual, p.layers_per_stage)
     s = Trainer(cfg, log=lambda m: None).fit()
     steady = s.records[2:] if len(s.records) > 3 else s.records[1:]
     step_s = statistics.median(r.step_time_s for r in steady)
@@ -85,7 +84,7 @@ def table(results: list[dict]) -> str:
         vs = f"{tps[k] / tps['1f1b']:.3f}" if "1f1b" in tps and k != "pp1" else ""
         mem = f"{peak[k] / peak['1f1b']:.2f}" if "1f1b" in peak and k != "pp1" else ""
         each = " / ".join(f"{x['tokens_per_s']:,.0f}" for x in rs)
-        split = " ".join(map(str, rs[0]["layers_per_stage"]))  # per virtual stage, in model order
+        split = " ".join(f"{n:g}" for n in rs[0]["layers_per_stage"])  # per virtual stage, in model order
         lines.append(f"| {k} | {split} | {each} | {ideal} | {vs} | {statistics.median(x['bubble'] for x in rs):.3f} "
                      f"| {mem} |")
     best = max((k for k in tps if k != "pp1"), key=tps.get, default=None)

@@ -107,8 +107,10 @@ class ParallelConfig:
     microbatches: int = 1  # per data-parallel replica and step
     # Layers of each pipeline stage: None, as even as possible (extra layers to the middle
     # stages); "auto", balanced by modelled FLOPs so that the last stage's head does not make
-    # it the slowest (any pp, also after an elastic re-plan); or a list, one count per stage
-    # (with several chunks per stage, one per virtual stage: pp x chunks, in model order).
+    # it the slowest, cutting between a layer's attention and its MLP where that evens the
+    # stages out (any pp, also after an elastic re-plan); or a list, one count of whole
+    # layers per stage (with several chunks per stage, one per virtual stage: pp x chunks,
+    # in model order).
     # On 2 x H200 with the 1B config, "auto" ran 1F1B 1.02x its even split's speed, and
     # interleaved-1f1b with "auto" was the fastest configuration measured, 1.09x 1F1B (BENCHMARKS.md)
     layers_per_stage: list[int] | Literal["auto"] | None = None

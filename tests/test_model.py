@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raypar.config import ModelConfig
-from raypar.model.partition import balanced_layers
+from raypar.model.partition import balanced_halves, layer_parts, stage_halves
 from raypar.model import (
     PartitionError,
     RMSNorm,
@@ -44,7 +44,8 @@ def full_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return build_stage(cfg, 0, 1, seed=seed)
 
 
-SPLITS = [(1, None), (2, None), (3, None), (4, None), (3, [1, 2, 1]), (2, [3, 1])]
+# (3, "auto") cuts inside layer 1: [0, 1.attn] | [1.mlp, 2] | [3].
+SPLITS = [(1, None), (2, None), (3, None), (4, None), (3, [1, 2, 1]), (2, [3, 1]), (3, "auto")]
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,11 +368,12 @@ def test_split_uneven(n_layers, n_stages, expected):
 
 
 def _stage_costs(cfg, counts):
-    from raypar.model.transformer import head_flops, layer_flops
+    """Modelled cost of each stage holding `counts` half layers."""
+    from raypar.model.transformer import HALVES, head_flops, layer_flops
 
     costs, start = [], 0
     for c in counts:
-        costs.append(sum(layer_flops(cfg, i, cfg.max_seq_len) for i in range(start, start + c)))
+        costs.append(sum(layer_flops(cfg, u // 2, cfg.max_seq_len, HALVES[u % 2]) for u in range(start, start + c)))
         start += c
     costs[-1] += head_flops(cfg)
     return costs
@@ -391,26 +393,48 @@ def _compositions(n, k):
     ({"n_layers": 8, "vocab_size": 1024, "n_experts": 4, "moe_every": 2}, 3), ({"n_layers": 5}, 5),
 ], ids=["head-heavy", "head-heavier", "tiny-head", "moe-every-2", "one-each"])
 def test_auto_split_makes_the_costliest_stage_as_cheap_as_any_split(tmp_path, model, n_stages):
-    """Against every contiguous split of whole layers (brute force), by the same cost model."""
+    """Against every contiguous split of half layers (brute force), by the same cost model."""
     cfg = tiny_config(tmp_path, model=model, parallel={"pp": n_stages}).model
-    auto = balanced_layers(cfg, n_stages)
-    assert len(auto) == n_stages and sum(auto) == cfg.n_layers and min(auto) >= 1
-    best = min(max(_stage_costs(cfg, c)) for c in _compositions(cfg.n_layers, n_stages))
+    auto = balanced_halves(cfg, n_stages)
+    assert len(auto) == n_stages and sum(auto) == 2 * cfg.n_layers and min(auto) >= 1
+    best = min(max(_stage_costs(cfg, c)) for c in _compositions(2 * cfg.n_layers, n_stages))
     assert max(_stage_costs(cfg, auto)) == best
 
 
-def test_auto_split_of_the_1b_config_moves_layers_off_the_head_stage():
+def test_auto_split_of_the_1b_config_cuts_inside_a_layer_off_the_head_stage():
     from raypar.config import load_config
 
     cfg = load_config("configs/gpt-1b.yaml", []).model
-    assert (balanced_layers(cfg, 2), balanced_layers(cfg, 4)) == ([8, 6], [4, 4, 4, 2])
-    even = max(_stage_costs(cfg, [7, 7]))
-    assert max(_stage_costs(cfg, [8, 6])) < even
+    assert (balanced_halves(cfg, 2), balanced_halves(cfg, 4)) == ([15, 13], [7, 8, 8, 5])
+    even, whole = max(_stage_costs(cfg, [14, 14])), max(_stage_costs(cfg, [16, 12]))  # 7 | 7 and 8 | 6 layers
+    assert max(_stage_costs(cfg, [15, 13])) < whole < even
 
 
 def test_auto_split_of_the_equivalence_grid(tmp_path):
-    """tests/test_pipeline_equivalence.py's pp2-auto-3-1 grid really is uneven."""
-    assert balanced_layers(tiny_config(tmp_path, model={"n_layers": 4, "vocab_size": 512}).model, 2) == [3, 1]
+    """tests/test_pipeline_equivalence.py's pp2-auto grid is uneven and cuts inside layer 2."""
+    cfg = tiny_config(tmp_path, model={"n_layers": 4, "vocab_size": 512}).model
+    assert balanced_halves(cfg, 2) == [5, 3]
+    assert [layer_parts(r) for r in stage_halves(cfg, 2, "auto")] == [[0, 1, (2, "attn")], [(2, "mlp"), 3]]
+
+
+def test_a_stage_holding_both_halves_of_a_layer_in_two_chunks_runs_them_apart():
+    """A V schedule's middle stage may end one chunk with a layer's attention and start its
+    next chunk with that layer's MLP: one block, each half run by its own chunk."""
+    from raypar.model.transformer import Transformer
+
+    cfg = tiny()
+    full = full_model(cfg, seed=5)
+    stage = Transformer(cfg, chunks=[[0, (1, "attn")], [(1, "mlp"), 2]], embed_chunk=0, head_chunk=None)
+    stage.load_state_dict({n: p for n, p in full.state_dict().items() if n in stage.state_dict()})
+    assert sorted(stage.layers["1"].halves) == ["attn", "mlp"]
+    x, _ = tokens(cfg)
+    h = full.embed(x)
+    cos, sin = full._rope(x.shape[1], h.dtype)
+    for i in range(3):
+        h = full.layers[str(i)](h, cos, sin)
+    torch.testing.assert_close(stage(stage(x, chunk=0), chunk=1), h, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="layer 1's attn half is given twice"):
+        Transformer(cfg, layer_ids=[1, (1, "attn")])
 
 
 def test_split_explicit():

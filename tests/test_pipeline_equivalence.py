@@ -17,8 +17,9 @@ GRIDS = {
     "pp1": dict(model={"n_layers": 4}, parallel={"pp": 1}),
     "pp2": dict(model={"n_layers": 4}, parallel={"pp": 2}),
     "pp4": dict(model={"n_layers": 4}, parallel={"pp": 4}),
-    # A vocabulary whose head costs ~1.5 layers: "auto" splits 4 layers as [3, 1] (test_model).
-    "pp2-auto-3-1": dict(model={"n_layers": 4, "vocab_size": 512}, parallel={"pp": 2, "layers_per_stage": "auto"}),
+    # A vocabulary whose head costs ~1.5 layers: "auto" splits 4 layers as 2.5 | 1.5, a cut
+    # inside layer 2 (test_model).
+    "pp2-auto-halves": dict(model={"n_layers": 4, "vocab_size": 512}, parallel={"pp": 2, "layers_per_stage": "auto"}),
     "pp3-uneven-1-3-1": dict(model={"n_layers": 5}, parallel={"pp": 3, "layers_per_stage": [1, 3, 1]}),
     # Dropout masks follow the sample (per-sample seeds), so replicas, micro-batches and
     # recompute all draw the reference's masks.
@@ -75,6 +76,11 @@ CHUNKED = {
         dict(model={"n_layers": 4, "dropout": 0.2}, parallel={"pp": 2, "schedule": "interleaved-1f1b"},
              runtime={"recompute": "stage"}), LOOP_PLAN),
     # MoE layers in every chunk, experts split over ep=2.
+    # Cut by cost inside layers: [0, 1.attn] [1.mlp, 2] [3, 4.attn] [4.mlp + head], the V
+    # placing the first and last on stage 0: MoE MLPs on another stage than their attention.
+    "pp2-ep2-zb-v-moe-auto-halves": (dict(model={"n_layers": 5, "vocab_size": 512, **MOE},
+                                          parallel={"pp": 2, "ep": 2, "schedule": "zb-v", "layers_per_stage": "auto"},
+                                          train={"global_batch_size": 16, "eps": 1e-6}), V_PLAN),
     "pp2-ep2-zb-v-moe": (dict(model={"n_layers": 4, **MOE}, parallel={"pp": 2, "ep": 2, "schedule": "zb-v"},
                               train={"global_batch_size": 16, "eps": 1e-6}), V_PLAN),
     "pp2-ep2-interleaved-moe": (dict(model={"n_layers": 4, **MOE},

@@ -10,10 +10,10 @@ from raypar.config import ModelConfig
 from raypar.schedule.layout import Layout
 from raypar.model.experts import unstacked
 from raypar.model.tensor_parallel import TensorParallel
-from raypar.model.transformer import Transformer, head_flops, init_weights, layer_flops
+from raypar.model.transformer import HALVES, LayerPart, Transformer, head_flops, init_weights, layer_flops
 
-__all__ = ["PartitionError", "split_layers", "balanced_layers", "stage_layers", "build_stage", "stage_param_names",
-           "stage_param_shapes"]
+__all__ = ["PartitionError", "split_layers", "balanced_halves", "stage_halves", "layer_parts", "stage_sizes",
+           "build_stage", "stage_param_names", "stage_param_shapes"]
 
 
 class PartitionError(ValueError):
@@ -73,22 +73,25 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] |
     return ranges
 
 
-def balanced_layers(cfg: ModelConfig, n_stages: int) -> list[int]:
-    """Layers per stage (`parallel.layers_per_stage: auto`) that make the costliest stage as
-    cheap as contiguous whole layers allow, by modelled training FLOPs per token: each
-    block's (`layer_flops`, attention at model.max_seq_len; MoE layers by their top_k
-    experts) and the head's on the last stage (the embedding is a lookup). Among splits
-    with the same costliest stage, the most even one. E.g. `configs/gpt-1b.yaml` (14 layers,
-    a head costing 1.2 layers): [8, 6] on 2 stages, [4, 4, 4, 2] on 4, whose costliest
-    stages carry 8 and 4 layers' work against the even splits' 8.2 and 4.2."""
-    n = cfg.n_layers
-    if not 1 <= n_stages <= n:
-        raise PartitionError(f"cannot split {n} layers into {n_stages} pipeline stages: use 1 to {n} stages")
+def balanced_halves(cfg: ModelConfig, n_stages: int) -> list[int]:
+    """Half layers per stage (`parallel.layers_per_stage: auto`) that make the costliest stage
+    as cheap as contiguous halves allow, by modelled training FLOPs per token: each half's
+    (`layer_flops`: attention at model.max_seq_len, or the MLP; MoE layers by their top_k
+    experts) and the head's on the last stage (the embedding is a lookup). A cut may fall
+    inside a layer, between its attention and its MLP: whole layers alone cannot even out a
+    stage carrying the head. Among splits with the same costliest stage, the most even one.
+    E.g. `configs/gpt-1b.yaml` (14 layers; a head costing 1.2 layers, an attention half 0.37):
+    [15, 13] halves on 2 stages (7.5 and 6.5 layers), whose costliest stage carries 7.7
+    layers' work against whole layers' 8."""
+    n = 2 * cfg.n_layers
+    if not 1 <= n_stages <= cfg.n_layers:
+        raise PartitionError(f"cannot split {cfg.n_layers} layers into {n_stages} pipeline stages: "
+                             f"use 1 to {cfg.n_layers} stages")
     prefix = [0]
-    for i in range(n):
-        prefix.append(prefix[-1] + layer_flops(cfg, i, cfg.max_seq_len))
+    for u in range(n):
+        prefix.append(prefix[-1] + layer_flops(cfg, u // 2, cfg.max_seq_len, HALVES[u % 2]))
     head = head_flops(cfg)
-    # best[k][j]: (costliest stage, sum of squared stage costs) of layers 0..j-1 on k stages.
+    # best[k][j]: (costliest stage, sum of squared stage costs) of halves 0..j-1 on k stages.
     best: list[list[tuple[int, int] | None]] = [[None] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = (0, 0)
@@ -110,10 +113,40 @@ def balanced_layers(cfg: ModelConfig, n_stages: int) -> list[int]:
     return counts[::-1]
 
 
-def stage_layers(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[int] | None:
-    """The explicit split `layers_per_stage` stands for on `n_stages` stages: "auto" is
-    `balanced_layers`, a list itself, None the even split (`split_layers`)."""
-    return balanced_layers(cfg, n_stages) if layers_per_stage == "auto" else layers_per_stage
+def stage_halves(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[range]:
+    """Each stage's run of half layers (half `u` is layer `u // 2`'s attention when `u` is
+    even, its MLP when odd): "auto" cuts by cost (`balanced_halves`), a list of layer counts
+    and None (the even split, `split_layers`) cut between whole layers."""
+    if layers_per_stage == "auto":
+        counts = balanced_halves(cfg, n_stages)
+    else:
+        counts = [2 * len(r) for r in split_layers(cfg.n_layers, n_stages, layers_per_stage)]
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def layer_parts(halves: range) -> list[LayerPart]:
+    """A run of half layers as the layers a `Transformer` holds: whole layer ids, and
+    `(id, "mlp")` / `(id, "attn")` where the run starts or ends inside a layer."""
+    parts: list[LayerPart] = []
+    u = halves.start
+    while u < halves.stop:
+        layer, second = divmod(u, 2)
+        if not second and u + 1 < halves.stop:
+            parts.append(layer)
+            u += 2
+        else:
+            parts.append((layer, HALVES[second]))
+            u += 1
+    return parts
+
+
+def stage_sizes(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[float]:
+    """Layers per stage, halves counted as 0.5 (what a cut looks like in a table)."""
+    return [len(r) / 2 for r in stage_halves(cfg, n_stages, layers_per_stage)]
 
 
 def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
@@ -121,11 +154,11 @@ def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
     """Training FLOPs per token each worker of `layout` runs: its chunks' layers, and the
     head on the worker holding the last virtual stage."""
     n = layout.n_virtual
-    ranges = split_layers(cfg.n_layers, n, stage_layers(cfg, n, layers_per_stage))
     flops = [0.0] * layout.n_actors
-    for vs, layers in enumerate(ranges):
+    for vs, halves in enumerate(stage_halves(cfg, n, layers_per_stage)):
         worker = layout.place(vs)[0]
-        flops[worker] += sum(layer_flops(cfg, i, seq_len) for i in layers) + (head_flops(cfg) if vs == n - 1 else 0)
+        flops[worker] += (sum(layer_flops(cfg, u // 2, seq_len, HALVES[u % 2]) for u in halves)
+                          + (head_flops(cfg) if vs == n - 1 else 0))
     return flops
 
 
@@ -135,17 +168,16 @@ def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage:
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
     if layout is None or layout.n_chunks == 1:
-        ranges = split_layers(cfg.n_layers, n_stages, stage_layers(cfg, n_stages, layers_per_stage))
-        return Transformer(cfg, layer_ids=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1,
-                           ep_rank=ep_rank, ep_size=ep_size, tp=tp)
+        ranges = stage_halves(cfg, n_stages, layers_per_stage)
+        return Transformer(cfg, layer_ids=layer_parts(ranges[stage]), has_embed=stage == 0,
+                           has_head=stage == n_stages - 1, ep_rank=ep_rank, ep_size=ep_size, tp=tp)
     if layout.n_actors != n_stages:
         raise PartitionError(f"a layout of {layout.n_actors} stage(s) for a {n_stages}-stage pipeline")
     # An interleaved schedule cuts the model into stages x chunks virtual stages (layers_per_stage
     # counts each of them) and places them by its layout.
-    n_virtual = layout.n_virtual
-    ranges = split_layers(cfg.n_layers, n_virtual, stage_layers(cfg, n_virtual, layers_per_stage))
+    ranges = stage_halves(cfg, layout.n_virtual, layers_per_stage)
     chunks = range(layout.n_chunks)
-    return Transformer(cfg, chunks=[ranges[layout.virtual(stage, c)] for c in chunks],
+    return Transformer(cfg, chunks=[layer_parts(ranges[layout.virtual(stage, c)]) for c in chunks],
                        embed_chunk=next((c for c in chunks if layout.is_first(stage, c)), None),
                        head_chunk=next((c for c in chunks if layout.is_last(stage, c)), None),
                        ep_rank=ep_rank, ep_size=ep_size, tp=tp)

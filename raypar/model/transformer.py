@@ -177,24 +177,38 @@ class WholeFeedForward(FeedForward):
         return self.tp.whole_out(super().forward(self.tp.whole_in(x)))
 
 
+HALVES = ("attn", "mlp")  # a layer's two halves, in the order they run: a pipeline may cut between them
+
+
 class Block(nn.Module):
+    """One transformer layer, or the `halves` of it a stage holds (a cut inside the layer
+    puts its attention on one stage and its MLP on the next)."""
+
     def __init__(self, layer_id: int, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, halves: Sequence[str] = HALVES) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
         self.dropout = cfg.dropout
         self.tp = tp
+        self.halves = tuple(h for h in HALVES if h in halves)
         # Norms and the residual stream are whole on every tensor-parallel rank (with
         # sequence parallelism, each rank's slice of the sequence).
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, tp)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size, tp)
+        if "attn" in self.halves:
+            self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+            self.attn = Attention(cfg, tp)
+        if "mlp" in self.halves:
+            self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+            self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size, tp)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, seeds: Tensor | None = None) -> Tensor:
-        h = self._residual(self.attn(self.attn_norm(x), cos, sin), x, seeds, site=0)
-        return self._residual(self.mlp(self.mlp_norm(h)), h, seeds, site=1)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, seeds: Tensor | None = None,
+                half: str | None = None) -> Tensor:
+        """The whole layer, or one half of it (`half`: "attn" or "mlp")."""
+        if half != "mlp":
+            x = self._residual(self.attn(self.attn_norm(x), cos, sin), x, seeds, site=0)
+        if half != "attn":
+            x = self._residual(self.mlp(self.mlp_norm(x)), x, seeds, site=1)
+        return x
 
     def _residual(self, branch: Tensor, x: Tensor, seeds: Tensor | None, site: int) -> Tensor:
         if not (self.dropout and self.training):
@@ -211,12 +225,25 @@ class Block(nn.Module):
 # Whole model or pipeline stage
 
 
+LayerPart = int | tuple[int, str]  # a layer id, or (id, "attn" | "mlp"): half of the layer
+
+
+def _layer_part(p: LayerPart) -> tuple[int, str | None]:
+    if isinstance(p, tuple):
+        i, half = p
+        if half not in HALVES:
+            raise ValueError(f"({i}, {half!r}) names no half of a layer: use {HALVES}")
+        return int(i), half
+    return int(p), None
+
+
 class Transformer(nn.Module):
     """The whole model (defaults) or one pipeline stage of it.
 
     A stage holds the layers `layer_ids` (global indices, contiguous or not), the token
     embedding if `has_embed` and the final norm plus output head if `has_head`. Without an
-    embedding the input is hidden states [b, t, dim]; without a head the output is too.
+    embedding the input is hidden states [b, t, dim]; without a head the output is too. A
+    layer id may also be half a layer, `(id, "attn")` or `(id, "mlp")`: a cut inside it.
 
     A stage of an interleaved schedule holds several model chunks (`chunks`: each chunk's
     layer ids, in the order `forward(chunk=...)` runs them); the embedding then belongs to
@@ -229,12 +256,12 @@ class Transformer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        layer_ids: Sequence[int] | None = None,
+        layer_ids: Sequence[LayerPart] | None = None,
         has_embed: bool = True,
         has_head: bool = True,
         ep_rank: int = 0,
         ep_size: int = 1,
-        chunks: Sequence[Sequence[int]] | None = None,
+        chunks: Sequence[Sequence[LayerPart]] | None = None,
         embed_chunk: int | None = None,
         head_chunk: int | None = None,
         tp: TensorParallel | None = None,
@@ -246,20 +273,27 @@ class Transformer(nn.Module):
         if chunks is not None:
             if layer_ids is not None:
                 raise ValueError("give a stage's layers as layer_ids or as chunks, not both")
-            layer_ids = [i for chunk in chunks for i in chunk]
             has_embed, has_head = embed_chunk is not None, head_chunk is not None
-        ids = list(range(cfg.n_layers)) if layer_ids is None else [int(i) for i in layer_ids]
-        bad = [i for i in ids if not 0 <= i < cfg.n_layers]
-        if bad:
-            raise ValueError(f"layer ids {bad} are outside the model's layers 0..{cfg.n_layers - 1}")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"layer ids {ids} repeat a layer")
-        self.layer_ids = ids
+        else:
+            chunks = [list(range(cfg.n_layers)) if layer_ids is None else list(layer_ids)]
+            embed_chunk, head_chunk = 0, 0
+        # Per chunk, what forward runs: (layer id, None for the whole layer or the half).
+        parts = [[_layer_part(p) for p in chunk] for chunk in chunks]
+        halves: dict[int, list[str]] = {}
+        for chunk in parts:
+            for i, half in chunk:
+                if not 0 <= i < cfg.n_layers:
+                    raise ValueError(f"layer id {i} is outside the model's layers 0..{cfg.n_layers - 1}")
+                for h in HALVES if half is None else (half,):
+                    if h in halves.setdefault(i, []):
+                        raise ValueError(f"layer {i}'s {h} half is given twice in {[list(c) for c in chunks]}")
+                    halves[i].append(h)
+        self.layer_ids = list(halves)
         self.has_embed = has_embed
         self.has_head = has_head
-        self.chunk_layers = [[str(i) for i in chunk] for chunk in chunks] if chunks is not None else [[str(i) for i in ids]]
-        self.embed_chunk = (embed_chunk if chunks is not None else 0) if has_embed else None
-        self.head_chunk = (head_chunk if chunks is not None else 0) if has_head else None
+        self.chunk_layers = [[(str(i), half) for i, half in chunk] for chunk in parts]
+        self.embed_chunk = embed_chunk if has_embed else None
+        self.head_chunk = head_chunk if has_head else None
         for which, c in (("embed_chunk", self.embed_chunk), ("head_chunk", self.head_chunk)):
             if c is not None and not 0 <= c < len(self.chunk_layers):
                 raise ValueError(f"{which}={c} names no chunk of this stage's {len(self.chunk_layers)}")
@@ -282,7 +316,7 @@ class Transformer(nn.Module):
             self.embed = nn.Embedding(vocab, width, _weight=torch.empty(vocab, width, dtype=dtype))
             if by_vocab or by_dim:
                 tp.mark(self.embed, "weight", (cfg.vocab_size, cfg.dim), 1 if by_dim else 0)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp) for i in ids})
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp, hs) for i, hs in halves.items()})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
@@ -334,14 +368,14 @@ class Transformer(nn.Module):
         cos, sin = self._rope(t, h.dtype)
 
         use_recompute = self.recompute and torch.is_grad_enabled()
-        for key in self.chunk_layers[chunk]:
+        for key, half in self.chunk_layers[chunk]:
             block = self.layers[key]
             if use_recompute:
                 if self.on_block_input is not None:
                     self.on_block_input(h)
-                h = checkpoint(block, h, cos, sin, seeds, use_reentrant=False)
+                h = checkpoint(block, h, cos, sin, seeds, half, use_reentrant=False)
             else:
-                h = block(h, cos, sin, seeds)
+                h = block(h, cos, sin, seeds, half)
 
         if self.head_chunk != chunk:
             if labels is not None:
@@ -436,17 +470,17 @@ def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
                 p[index].copy_(values.to(p.dtype))
 
 
-def layer_flops(cfg: ModelConfig, layer_id: int, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward) of one block: 6 x the matmul parameters
-    a token passes through (attention projections; the MLP, or for an MoE layer the router
-    and top_k experts) + 12 x dim x seq_len for attention scores and values."""
+def layer_flops(cfg: ModelConfig, layer_id: int, seq_len: int, half: str | None = None) -> int:
+    """Training FLOPs per token (forward + backward) of one block, or of its `half`: 6 x the
+    matmul parameters a token passes through (attention projections; the MLP, or for an MoE
+    layer the router and top_k experts) + 12 x dim x seq_len for attention scores and values."""
     hd = cfg.dim // cfg.n_heads
-    attn = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.kv_heads * hd
+    attn = 6 * (2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.kv_heads * hd) + 12 * cfg.dim * seq_len
     if cfg.is_moe_layer(layer_id):
-        mlp = cfg.dim * cfg.n_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim)
+        mlp = 6 * (cfg.dim * cfg.n_experts + cfg.moe_top_k * 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim))
     else:
-        mlp = 3 * cfg.dim * cfg.hidden_dim
-    return 6 * (attn + mlp) + 12 * cfg.dim * seq_len
+        mlp = 6 * 3 * cfg.dim * cfg.hidden_dim
+    return {None: attn + mlp, "attn": attn, "mlp": mlp}[half]
 
 
 def head_flops(cfg: ModelConfig) -> int:
