@@ -112,7 +112,8 @@ class ParallelConfig:
     # layers per stage (with several chunks per stage, one per virtual stage: pp x chunks,
     # in model order).
     # On 2 x H200 with the 1B config, "auto" ran 1F1B 1.02x its even split's speed, and
-    # interleaved-1f1b with "auto" was the fastest configuration measured, 1.09x 1F1B (BENCHMARKS.md)
+    # zb-h2 on its 7.5 | 6.5 cut was the fastest configuration measured, 0.95 of 2 x one GPU
+    # (BENCHMARKS.md)
     layers_per_stage: list[int] | Literal["auto"] | None = None
     # Split the fp32 masters and AdamW moments over the workers that hold the same weights
     # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
