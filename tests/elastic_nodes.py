@@ -97,8 +97,16 @@ class NodeChaos(Callback):
         return False
 
 
+# How soon the GCS marks a removed node dead: a check a second, three failed in a row (a
+# killed raylet fails each at once; a live one has health_check_timeout_ms, 10 s, to answer
+# each). Ray's defaults (3 s, 5) hold the run ~15 s after a removal: growing waits for the
+# lost node to be marked dead (`wait_for_nodes`) before it plans on the new one.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
 def main(tmp: Path) -> int:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "_system_config": HEALTH_CHECKS})
     cluster.add_node(num_cpus=1)
     doomed = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

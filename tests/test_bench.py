@@ -103,7 +103,7 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert all(len(r["stages"]) == 2 and all(st["traced_ms"] > 0 for st in r["stages"]) for r in profiles)
     assert "One profiled step" in out.stdout
     rows = [r for r in rows if r.get("kind") not in ("stage_costs", "profile")]
-    assert len({r["label"] for r in rows}) == len(rows) == 18
+    assert len({r["label"] for r in rows}) == len(rows) == 19
     # torch's multi-chunk schedules: the model in 4 stages, 2 per process; the same losses.
     chunked = [r for r in rows if r.get("chunks") == 2]
     assert sorted(r["label"].split()[1] for r in chunked) == ["ScheduleDualPipeV", "ScheduleInterleaved1F1B",

@@ -49,8 +49,9 @@ def head(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the head and everything it started, nothing else
         try:
-            # `ray start --block` rarely exits on SIGTERM alone: do not wait long for it.
-            proc.wait(timeout=5)
+            # `ray start --block` rarely exits on SIGTERM alone (its GCS and raylet neither,
+            # within seconds; the dashboard's processes do in ~2 s): do not wait long for it.
+            proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -80,12 +81,25 @@ def _status(address, env, job_id) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr).lower()
 
 
-def _live_actors(address, env) -> int:
-    """raypar actors alive on the cluster, from Ray's state API."""
-    count = ("import sys; from ray.util.state import list_actors; "
-             "alive = list_actors(address=sys.argv[1], filters=[('state', '=', 'ALIVE')], raise_on_missing_output=False); "
-             "print(sum(a.class_name in ('StageWorker', 'CheckpointWriter') for a in alive))")
-    out = subprocess.run([sys.executable, "-c", count, address], capture_output=True, text=True, env=env, timeout=60)
+# Counts raypar's actors alive on the cluster at argv[1], only those of the submitted job argv[2] if given.
+COUNT_ACTORS = """
+import sys
+from ray.job_submission import JobSubmissionClient
+from ray.util.state import list_actors
+
+address, job = sys.argv[1], sys.argv[2:]
+filters = [("state", "=", "ALIVE")]
+if job:
+    filters.append(("job_id", "=", JobSubmissionClient(address).get_job_info(job[0]).driver_info.id))
+alive = list_actors(address=address, filters=filters, raise_on_missing_output=False)
+print(sum(a.class_name in ("StageWorker", "CheckpointWriter") for a in alive))
+"""
+
+
+def _live_actors(address, env, job: str | None = None) -> int:
+    """raypar actors alive on the cluster (only submitted job `job`'s, when given), from Ray's state API."""
+    out = subprocess.run([sys.executable, "-c", COUNT_ACTORS, address, *([job] if job else [])], capture_output=True,
+                         text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -93,25 +107,28 @@ def _live_actors(address, env) -> int:
 @pytest.mark.timeout(600)
 def test_job_submit_runs_to_completion_and_stop_is_clean(head, tmp_path):
     address, env = head
-    job = _submit(address, env, tmp_path / "done", steps=3)
-    logs = _job(address, env, "logs", "--follow", job, timeout=300)
-    assert "step 3/3" in logs.stdout and "final loss" in logs.stdout, logs.stdout[-3000:]
-    assert "succeeded" in _status(address, env, job)
-
-    # A long job, stopped once it has committed a checkpoint.
+    # Two jobs side by side (each takes 1 of the head's 2 CPUs): a short one that runs to
+    # completion, and a long one, stopped once it has committed a checkpoint. Both start
+    # now, so the long one's start overlaps the short one's run.
+    done = _submit(address, env, tmp_path / "done", steps=3)
     run_dir = tmp_path / "stopped"
     job = _submit(address, env, run_dir, steps=100000, extra=["checkpoint.every=3"])
+    logs = _job(address, env, "logs", "--follow", done, timeout=300)
+    assert "step 3/3" in logs.stdout and "final loss" in logs.stdout, logs.stdout[-3000:]
+    assert "succeeded" in _status(address, env, done)
+
+    # The long job, stopped once it has committed a checkpoint.
     deadline = time.monotonic() + 240
     while not list_committed(run_dir / "checkpoints"):
         assert time.monotonic() < deadline, _job(address, env, "logs", job).stdout[-3000:]
         time.sleep(1)
-    assert _live_actors(address, env) >= 2  # the stage workers (and the checkpoint writer) are up
+    assert _live_actors(address, env, job) >= 2  # its stage workers (and the checkpoint writer) are up
     assert _job(address, env, "stop", job).returncode == 0
     deadline = time.monotonic() + 60
     while "stopped" not in _status(address, env, job):
         assert time.monotonic() < deadline
         time.sleep(1)
-    # Its actors went with its driver.
+    # Its actors went with its driver (and the short job's with its own): none is left.
     deadline = time.monotonic() + 60
     while _live_actors(address, env):
         assert time.monotonic() < deadline, "raypar actors still alive 60 s after ray job stop"

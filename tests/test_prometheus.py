@@ -29,7 +29,7 @@ from raypar.metrics.catalog import CATALOG
 
 from dashboard_queries import BOARDS, Query, all_queries, broken_dashboard, load
 from prometheus_harness import (Evaluation, Process, Prometheus, RayHead, dashboard_problems, find_prometheus,
-                                free_port, live_problems, prometheus_config, tail, wait_until)
+                                free_port, live_problems, prometheus_config, stop_all, tail, wait_until)
 
 pytestmark = pytest.mark.prometheus
 
@@ -118,17 +118,20 @@ def live() -> LiveRuns:
             prefix="rp-prom-", dir="/tmp" if os.path.isdir("/tmp") else None, ignore_cleanup_errors=True)))
         ray_temp = workdir / "ray"
         standalone_port = free_port()
+        # Every process started below, stopped together (one grace period for all of them).
+        started: list[Process] = []
+        stack.callback(stop_all, started)
         prom = Prometheus.start(binary, prometheus_config(f"127.0.0.1:{standalone_port}", ray_temp,
                                                           SCRAPE_INTERVAL_S), workdir)
-        stack.callback(prom.process.stop)
+        started.append(prom.process)
         head = RayHead.start(ray_temp, num_cpus=4, report_interval_ms=int(SCRAPE_INTERVAL_S * 1000),
                              log=workdir / "ray-head.log")
-        stack.callback(head.process.stop)
+        started.append(head.process)
         prom.wait_ready()
         head.wait_for_service_discovery()
         start = time.time()
         driver = start_training(head, workdir, standalone_port)
-        stack.callback(driver.stop)
+        started.append(driver)
         wait_for_training(driver)
         trained = time.time()
         wait_for_final_scrapes(prom, driver.log)
