@@ -80,8 +80,8 @@ def balanced_halves(cfg: ModelConfig, n_stages: int) -> list[int]:
     experts) and the head's on the last stage (the embedding is a lookup). A cut may fall
     inside a layer, between its attention and its MLP: whole layers alone cannot even out a
     stage carrying the head. Among splits with the same costliest stage, the most even one.
-    E.g. `configs/gpt-1b.yaml` (14 layers; a head costing 1.2 layers, an attention half 0.37):
-    [15, 13] halves on 2 stages (7.5 and 6.5 layers), whose costliest stage carries 7.7
+    E.g. `configs/gpt-1b.yaml` (14 layers; a head costing 1.2 layers, an attention half 0.38):
+    [15, 13] halves on 2 stages (7.5 and 6.5 layers), whose costliest stage carries 7.8
     layers' work against whole layers' 8."""
     n = 2 * cfg.n_layers
     if not 1 <= n_stages <= cfg.n_layers:
