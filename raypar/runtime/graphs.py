@@ -211,7 +211,8 @@ class MicroBatchGraph:
             out = model(*self._static, chunk)
             self._grad = None if has_loss else torch.zeros_like(out)  # the received output gradient goes here
             input_grad_backward(root(out), self._grad)
-            compute_weight_grads(deferred)
+            if split:
+                compute_weight_grads(deferred)
             del out
         current.wait_stream(side)
         reset()
