@@ -19,7 +19,7 @@ from raypar.config import Config, config_from_dict
 from raypar.data import TokenDataset
 from raypar.data.source import open_corpus
 from raypar.resources import host_available_bytes
-from raypar.runtime.graphs import wants_backward_ep_group
+from raypar.runtime.graphs import wants_backward_groups
 from raypar.runtime.groups import abort_groups, build_groups, init_world
 from raypar.schedule import run_layout
 from raypar.runtime.profile import PROFILER_READY, StepProfiler
@@ -214,7 +214,7 @@ class StageWorker:
         init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
         layout = run_layout(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.chunks)
         groups = build_groups(self.grid, self.rank, timeout, layout,
-                              ep_backward=wants_backward_ep_group(self.cfg, self.grid, backend))
+                              backward_groups=wants_backward_groups(self.cfg, self.grid, backend))
         t1 = time.perf_counter()
         coord = self.grid.coord(self.rank)
         needs_data = layout.holds_data(coord.pp)

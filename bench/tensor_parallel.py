@@ -27,6 +27,10 @@ ROWS = [
     ("tp=2, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2"]),
     # The same with each backward all-reduce waited for in line, its weight gradients after it.
     ("tp=2, backward exchanges in line, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "runtime.tp_backward_overlap=false"]),
+    # The same with micro-batches replayed one after another: what a forward beside the
+    # previous micro-batch's backward gains (its all-reduces wait while the other computes).
+    ("tp=2, micro-batches one after another, 2 GPUs", 2,
+     ["parallel.pp=1", "parallel.tp=2", "runtime.tp_microbatch_overlap=false"]),
     # The same issued op by op: how much of tp's gain needs the host out of the way.
     ("tp=2, eager (runtime.cuda_graphs=false), 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "runtime.cuda_graphs=false"]),
     ("tp=2, sequence parallel, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -44,7 +48,8 @@ def run(ctx: "Context") -> list[dict]:
     gpus = 2 if ctx.cpu else torch.cuda.device_count()  # --cpu: the 2-worker rows, on CPU workers
     rows: list[dict] = []
     for label, need, overrides in ROWS:
-        if ctx.cpu and ("sequence" in label or "in line" in label or "eager" in label or label == BIG):
+        if ctx.cpu and ("sequence" in label or "in line" in label or "eager" in label or "one after another" in label
+                        or label == BIG):
             continue  # the same path as its GPU run, tested elsewhere (tests/test_tensor_parallel.py)
         if need > gpus:
             have = "a CPU run takes the rows of up to 2 workers" if ctx.cpu else f"this machine has {gpus}"

@@ -242,6 +242,11 @@ class RuntimeConfig:
     # set and a second ep communicator; the results are the same (backwards still add into
     # the gradients in micro-batch order).
     moe_microbatch_overlap: bool = True
+    # The same on a stage split by tp (pp=1): each forward's all-reduces (or sequence
+    # gathers and reduce-scatters) wait while the previous micro-batch's backward computes,
+    # and the backward's on a second tp communicator while the forward computes. Where a
+    # stage has both (MoE at ep > 1 and tp > 1), either switch on overlaps its micro-batches.
+    tp_microbatch_overlap: bool = True
 
 
 @dataclass

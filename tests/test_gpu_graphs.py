@@ -99,17 +99,36 @@ def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
         torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
 
 
-def test_overlapped_microbatches_equal_one_after_another(ray_session, tmp_path):
-    """runtime.moe_microbatch_overlap at ep=2: each graphed forward replays on the device
-    beside the previous micro-batch's backward (it starts before that backward ends), and
-    losses, gradients, MoE counters and weights equal the same graphs run one after another."""
+def _tp_config(tmp_path, overlap=True, sequence=False):
+    return tiny_config(tmp_path, model={"dropout": 0.1, "dtype": "bfloat16"},
+                       parallel={"dp": 1, "pp": 1, "tp": 2, "microbatches": 4, "sequence_parallel": sequence},
+                       train={"global_batch_size": 16, "eps": ADAM_EPS},
+                       runtime={"device": "cuda", "collective_timeout_s": 30.0, "tp_microbatch_overlap": overlap})
+
+
+OVERLAPPED = {
+    "moe-ep2": lambda path, overlap: _moe_config(path, "bfloat16", 2, overlap=overlap),
+    "tp2": lambda path, overlap: _tp_config(path, overlap),
+    "tp2-sequence-parallel": lambda path, overlap: _tp_config(path, overlap, sequence=True),
+}
+
+
+@pytest.mark.parametrize("run", list(OVERLAPPED))
+def test_overlapped_microbatches_equal_one_after_another(ray_session, tmp_path, run):
+    """runtime.moe_microbatch_overlap at ep=2, runtime.tp_microbatch_overlap at tp=2 (with and
+    without sequence parallelism): each graphed forward replays on the device beside the
+    previous micro-batch's backward (it starts before that backward ends), and losses,
+    gradients, MoE counters and weights equal the same graphs run one after another."""
     _need_gpus(2)
+    make = OVERLAPPED[run]
     plan = [("1f1b", 4), ("1f1b", 4), ("1f1b", 2), ("1f1b", 2), ("1f1b", 4)]  # a new count captures anew
-    on, on_weights = _steps(_moe_config(tmp_path / "on", "bfloat16", 2), tmp_path / "on", plan)
-    off, off_weights = _steps(_moe_config(tmp_path / "off", "bfloat16", 2, overlap=False), tmp_path / "off", plan)
+    on, on_weights = _steps(make(tmp_path / "on", True), tmp_path / "on", plan)
+    off, off_weights = _steps(make(tmp_path / "off", False), tmp_path / "off", plan)
     for step, ((_, m), (loss, grads, reports), (off_loss, off_grads, off_reports)) in enumerate(zip(plan, on, off)):
         where = f"step {step} ({m} micro-batches)"
         assert [r.graphed_microbatches for r in reports] == [m, m], where
+        assert [r.overlapped_microbatches for r in reports] == [m, m], where
+        assert [r.overlapped_microbatches for r in off_reports] == [0, 0], where
         captured = step == 0 or plan[step - 1][1] != m
         for r, o in zip(reports, off_reports):
             # Units F0 B0 F1 B1 ...: times hold (start, end) of each, on the device's clock.
@@ -120,7 +139,7 @@ def test_overlapped_microbatches_equal_one_after_another(ray_session, tmp_path):
             assert captured or any(beside), f"{where}: no forward started before the previous backward ended"
             # Routing may differ where bf16 sums ran in another order; every token is routed.
             assert ({k: sum(v) for k, v in r.expert_tokens.items()} == {k: sum(v) for k, v in o.expert_tokens.items()}
-                    and r.alltoall_bytes == o.alltoall_bytes > 0), where
+                    and r.alltoall_bytes == o.alltoall_bytes and (r.alltoall_bytes > 0) == run.startswith("moe")), where
         assert loss == pytest.approx(off_loss, rel=1e-3), where
         for name, g in off_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"{where} {name}: {m_}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raypar.model.moe import MoEStats
-from raypar.runtime.graphs import graphs_blocked, live_microbatches, overlap_blocked, wants_backward_ep_group
+from raypar.runtime.graphs import graphs_blocked, live_microbatches, overlap_blocked, wants_backward_groups
 from raypar.runtime.memory import ActivationTracker
 from raypar.schedule import Action, Op, build_programs
 from raypar.topology import Grid
@@ -103,38 +103,57 @@ def _overlap(tmp_path, grid=(1, 1, 2), tp=1, m=4, has_moe=True, has_group=True, 
     return overlap_blocked(cfg, Grid(dp, pp, ep, tp), has_moe, build_programs(schedule, pp, m)[0], has_group)
 
 
-def test_graphed_moe_microbatches_overlap_at_ep2(tmp_path):
+def test_graphed_microbatches_overlap_at_ep2_and_at_tp2(tmp_path):
     assert _overlap(tmp_path) is None
     assert _overlap(tmp_path, grid=(2, 1, 2)) is None
+    assert _overlap(tmp_path, grid=(1, 1, 1), tp=2, has_moe=False) is None
+    assert _overlap(tmp_path, grid=(2, 1, 1), tp=2, has_moe=False) is None
+    # MoE at ep=2 split by tp: either switch on overlaps (both have collectives to hide).
+    assert _overlap(tmp_path, tp=2) is None
+    assert _overlap(tmp_path, tp=2, runtime={"moe_microbatch_overlap": False}) is None
+    assert _overlap(tmp_path, tp=2, runtime={"tp_microbatch_overlap": False}) is None
 
 
 @pytest.mark.parametrize("case, why", [
-    (dict(runtime={"moe_microbatch_overlap": False}), "moe_microbatch_overlap is off"),
-    (dict(grid=(2, 1, 1)), "no all-to-all to hide"),
-    (dict(has_moe=False), "no all-to-all to hide"),
-    (dict(tp=2), "parallel.tp > 1"),
+    (dict(runtime={"moe_microbatch_overlap": False}), "runtime.moe_microbatch_overlap off"),
+    (dict(grid=(1, 1, 1), tp=2, has_moe=False, runtime={"tp_microbatch_overlap": False}),
+     "runtime.tp_microbatch_overlap off"),
+    (dict(tp=2, runtime={"moe_microbatch_overlap": False, "tp_microbatch_overlap": False}),
+     "runtime.moe_microbatch_overlap and runtime.tp_microbatch_overlap off"),
+    (dict(grid=(2, 1, 1)), "no collective to hide"),
+    (dict(has_moe=False), "no collective to hide"),
     (dict(m=1), "one micro-batch"),
-    (dict(has_group=False), "no second ep communicator"),
+    (dict(has_group=False), "no second ep or tp communicator"),
+    (dict(grid=(1, 1, 1), tp=2, has_moe=False, has_group=False), "no second ep or tp communicator"),
     (dict(schedule="fthenb"), "several micro-batches live"),
     (dict(grid=(1, 2, 2)), "parallel.pp > 1"),
-], ids=["off", "ep1", "dense", "tp2", "one-microbatch", "no-group", "fthenb", "pp2"])
+    (dict(grid=(1, 2, 1), tp=2, has_moe=False), "parallel.pp > 1"),
+], ids=["off", "tp-off", "both-off", "ep1", "dense", "one-microbatch", "no-group", "tp-no-group", "fthenb", "pp2",
+        "tp2-pp2"])
 def test_what_keeps_graphed_microbatches_apart_is_named(tmp_path, case, why):
     assert why in _overlap(tmp_path, **case)
 
 
-@pytest.mark.parametrize("backend, grid, tp, sections, wanted", [
-    ("nccl", (1, 1, 2), 1, {}, True),
-    ("gloo", (1, 1, 2), 1, {}, False),
-    ("nccl", (1, 2, 2), 1, {}, False),
-    ("nccl", (1, 1, 1), 1, {}, False),
-    ("nccl", (1, 1, 2), 2, {}, False),
-    ("nccl", (1, 1, 2), 1, {"runtime": {"cuda_graphs": False}}, False),
-    ("nccl", (1, 1, 2), 1, {"runtime": {"moe_microbatch_overlap": False}}, False),
-], ids=["ep2", "cpu", "pp2", "ep1", "tp2", "graphs-off", "overlap-off"])
-def test_the_second_ep_communicator_is_made_only_where_it_is_used(tmp_path, backend, grid, tp, sections, wanted):
+@pytest.mark.parametrize("backend, grid, tp, experts, sections, wanted", [
+    ("nccl", (1, 1, 2), 1, 4, {}, True),
+    ("gloo", (1, 1, 2), 1, 4, {}, False),
+    ("nccl", (1, 2, 2), 1, 4, {}, False),
+    ("nccl", (1, 1, 1), 1, 4, {}, False),
+    ("nccl", (1, 1, 2), 2, 4, {}, True),
+    ("nccl", (1, 1, 1), 2, 0, {}, True),
+    ("nccl", (2, 1, 1), 2, 0, {}, True),
+    ("nccl", (1, 2, 1), 2, 0, {}, False),
+    ("nccl", (1, 1, 1), 2, 0, {"runtime": {"tp_microbatch_overlap": False}}, False),
+    ("nccl", (1, 1, 2), 1, 4, {"runtime": {"cuda_graphs": False}}, False),
+    ("nccl", (1, 1, 2), 1, 4, {"runtime": {"moe_microbatch_overlap": False}}, False),
+], ids=["ep2", "cpu", "pp2", "ep1", "ep2-tp2", "tp2", "dp2-tp2", "tp2-pp2", "tp-overlap-off", "graphs-off",
+        "overlap-off"])
+def test_the_second_communicators_are_made_only_where_they_are_used(tmp_path, backend, grid, tp, experts, sections,
+                                                                     wanted):
     dp, pp, ep = grid
-    cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp}, **sections)
-    assert wants_backward_ep_group(cfg, Grid(dp, pp, ep, tp), backend) is wanted
+    cfg = tiny_config(tmp_path, model={"n_experts": experts}, parallel={"dp": dp, "pp": pp, "ep": ep, "tp": tp},
+                      **sections)
+    assert wants_backward_groups(cfg, Grid(dp, pp, ep, tp), backend) is wanted
 
 
 def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overlap(tmp_path, monkeypatch, capsys):
@@ -174,7 +193,7 @@ def test_a_second_graph_set_that_fails_to_capture_keeps_the_first_without_overla
         assert runtime._graph_for(first_forward, inputs, Action(Op.F, 0)) is made[0]
         assert runtime._streams is None and "the second graph set failed to capture" in runtime.overlap_blocked
         assert runtime.graphs_blocked is None
-        assert "MoE micro-batches replay one after another" in capsys.readouterr().err
+        assert "micro-batches replay one after another" in capsys.readouterr().err
         # The next micro-batches replay the one set, captured once.
         assert runtime._graph_for(SimpleNamespace(backwards=1), inputs, Action(Op.F, 1)) is made[0] and len(made) == 1
 

@@ -79,6 +79,31 @@ def test_every_rank_builds_the_same_groups_and_a_group_of_every_rank_is_the_worl
     assert len(channels) == n and all(len(ranks) == 2 for ranks in channels)
 
 
+@pytest.mark.parametrize("dp,pp,ep,tp", [(1, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2), (2, 1, 2, 1)])
+def test_backward_groups_are_second_communicators_over_each_ep_and_tp_group(fake_dist, dp, pp, ep, tp):
+    """With `backward_groups`, every rank also makes a group of its own (never the world's)
+    over each ep group's and each tp group's ranks, in the same order on every rank."""
+    calls, world_size = fake_dist
+    grid = Grid(dp=dp, pp=pp, ep=ep, tp=tp)
+    world_size["n"] = grid.size
+    per_rank = []
+    for rank in range(grid.size):
+        calls.clear()
+        plain = groups_mod.build_groups(grid, rank, timedelta(seconds=5))
+        n_plain = len(calls)
+        calls.clear()
+        g = groups_mod.build_groups(grid, rank, timedelta(seconds=5), backward_groups=True)
+        per_rank.append(list(calls))
+        c = grid.coord(rank)
+        ep_ranks, tp_ranks = grid.ep_ranks(c.dp, c.pp, c.tp), grid.tp_ranks(c.dp, c.pp, c.ep)
+        assert g.ep_backward == (tuple(ep_ranks) if ep > 1 else None)
+        assert g.tp_backward == (tuple(tp_ranks) if tp > 1 else None)
+        assert (plain.ep_backward, plain.tp_backward) == (None, None)
+        seconds = (dp * pp * tp if ep > 1 else 0) + (dp * pp * ep if tp > 1 else 0)
+        assert len(calls) == n_plain + seconds
+    assert all(c == per_rank[0] for c in per_rank)
+
+
 def test_loop_and_v_links():
     """One chunk per stage: activations go down the line, gradients back. Interleaved chunks
     add the way back from the last stage to the first; a V adds every link upwards."""

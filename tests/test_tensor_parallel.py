@@ -265,6 +265,76 @@ def test_weight_gradients_run_while_the_tp_exchanges_travel_and_equal_a_plain_ba
                                        msg=f"rank {rank}, sequence parallel {sequence}: {name}")
 
 
+def _backward_on_a_second_communicator(rank: int, group) -> dict:
+    """Which group each tp collective ran on, forward and backward, with `backward_group` a
+    second communicator over the same ranks (what a stage whose micro-batches overlap sets,
+    `runtime.tp_microbatch_overlap`); and the gradients against the same model on one group.
+    Preferred splits and the model-dimension fallback, without and with sequence parallelism."""
+    import raypar.model.tensor_parallel as tpm
+    from raypar.config import ModelConfig
+    from raypar.model import Transformer, init_weights
+    from raypar.model.tensor_parallel import TensorParallel
+
+    backward_group = dist.new_group([0, 1])
+    tokens = torch.randint(0, 63, (2, 6), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 63, (2, 6), generator=torch.Generator().manual_seed(2))
+    used: list[tuple[str, str]] = []
+    phase = ["F"]
+
+    def recorded(collective):
+        def run(*args, group=None, **kwargs):
+            used.append((phase[0], "forward" if group is group_ else "backward" if group is backward_group else "other"))
+            return collective(*args, group=group, **kwargs)
+        return run
+
+    group_ = group
+    originals = {"all_reduce": tpm.dist.all_reduce, "all_gather": tpm.dist.all_gather}
+    out = {}
+    for name, model_cfg in (("preferred", dict(vocab_size=64, dim=32, n_heads=4)),
+                            ("model-dim", dict(vocab_size=63, dim=24, n_heads=3, ffn_dim=45))):
+        cfg = ModelConfig(n_layers=2, max_seq_len=16, **model_cfg)
+        for sequence in (False, True):
+            grads = {}
+            for second in (False, True):
+                tp = TensorParallel(rank, 2, sequence)
+                tp.group, tp.backward_group = group, (backward_group if second else None)
+                model = Transformer(cfg, tp=tp)
+                init_weights(model, cfg, seed=3)
+                used.clear()
+                saved = tpm._all_gather, tpm._reduce_scatter
+                tpm._all_gather, tpm._reduce_scatter = recorded(saved[0]), recorded(saved[1])
+                for key, collective in originals.items():
+                    setattr(tpm.dist, key, recorded(collective))
+                try:
+                    phase[0] = "F"
+                    loss = model(tokens, labels)
+                    phase[0] = "B"
+                    loss.backward()
+                finally:
+                    tpm._all_gather, tpm._reduce_scatter = saved
+                    for key, collective in originals.items():
+                        setattr(tpm.dist, key, collective)
+                grads[second] = {n: p.grad for n, p in model.named_parameters()}
+                if second:
+                    out[f"{name}, sequence {sequence}"] = {"used": sorted(set(used)), "count": len(used),
+                                                           "grads": grads}
+    return out
+
+
+def test_backward_tp_collectives_run_on_their_own_communicator_and_give_the_same_gradients():
+    """With `TensorParallel.backward_group` set, every collective of backward runs on it and
+    every one of forward on `group` (so a forward beside another micro-batch's backward meets
+    its peers in the same order on both communicators), and the gradients are the same."""
+    results = _on_tp_ranks(_backward_on_a_second_communicator)
+    for rank, runs in results.items():
+        assert len(runs) == 4
+        for run, out in runs.items():
+            assert out["used"] == [("B", "backward"), ("F", "forward")], (rank, run, out["used"])
+            one, two = out["grads"][False], out["grads"][True]
+            for name, g in one.items():
+                torch.testing.assert_close(two[name], g, rtol=0, atol=0, msg=f"rank {rank}, {run}: {name}")
+
+
 # Where tp does not divide a part: (tp, sequence parallel, model), each against the whole model.
 FALLBACKS = {
     # Three heads, an MLP of 45 and a vocabulary of 63 over tp=2: all three split the model

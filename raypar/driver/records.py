@@ -48,7 +48,7 @@ class StepRecord:
     # Micro-batches run by all workers, and those that replayed CUDA graphs (runtime.cuda_graphs).
     microbatches: int = 0
     graphed_microbatches: int = 0
-    overlapped_microbatches: int = 0  # of those, replayed beside another's (runtime.moe_microbatch_overlap)
+    overlapped_microbatches: int = 0  # of those, replayed beside another's (runtime.*_microbatch_overlap)
     stage_times: list[WorkerTimes] = field(default_factory=list)  # per worker: forward, backward, idle seconds
     # Model FLOPs (active parameters for MoE) per second over the dense peak of the grid's devices;
     # 0 where the device's peak is unknown (CPUs, unlisted GPUs).
@@ -217,7 +217,7 @@ class RunSummary:
             f"data wait           {self.data_wait_s_per_step * 1000:.2f} ms per step"
             + (f" ({self.data_wait_s_per_step / self.step_time_s:.2%} of a step)" if self.step_time_s else ""),
             *([f"CUDA graphs         {self.cuda_graphs_share:.0%} of micro-batches replayed (runtime.cuda_graphs)"
-               + (f", {self.overlap_share:.0%} beside another's backward (runtime.moe_microbatch_overlap)"
+               + (f", {self.overlap_share:.0%} beside another's backward (runtime.*_microbatch_overlap)"
                   if self.overlap_share else "")]
               if self.device.startswith("cuda") else []),
             "peak activations    " + "  ".join(f"stage {s}: {_mib(b)}" for s, b in enumerate(self.peak_activation_bytes)),

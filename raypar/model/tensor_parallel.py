@@ -128,11 +128,11 @@ def fallbacks(cfg: ModelConfig, tp: int) -> list[str]:
 
 class _ToTensorParallel(torch.autograd.Function):
     """Identity forward; backward sums the input gradients of the tp ranks (each rank's
-    column slice contributed part of it)."""
+    column slice contributed part of it) over `backward_group`."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, backward_group) -> Tensor:
+        ctx.group = backward_group
         return x
 
     @staticmethod
@@ -159,9 +159,14 @@ class _FromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-def to_tensor_parallel(x: Tensor, group) -> Tensor:
-    """The input of column-parallel layers (see the module)."""
-    return x if group is None else _ToTensorParallel.apply(x, group)
+def to_tensor_parallel(x: Tensor, group, backward_group=None) -> Tensor:
+    """The input of column-parallel layers (see the module). `backward_group`: the
+    communicator over `group`'s ranks that backward's sum uses (`TensorParallel`); None: `group`."""
+    return x if group is None else _ToTensorParallel.apply(x, _either(group, backward_group))
+
+
+def _either(group, backward_group):
+    return group if backward_group is None else backward_group
 
 
 def from_tensor_parallel(x: Tensor, group) -> Tensor:
@@ -225,14 +230,23 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
         self.rank, self.size, self.sequence = rank, size, sequence
         self.group = None
+        # A second communicator over the same ranks for backward's collectives, set by the
+        # runtime where a forward runs beside another micro-batch's backward
+        # (`runtime.tp_microbatch_overlap`): each direction then reaches its collectives in
+        # the same order on every rank. None: `group`.
+        self.backward_group = None
 
     def enter(self, x: Tensor) -> Tensor:
         """The whole input of column-parallel layers from what the residual stream holds."""
-        return gather_sequence(x, self.group) if self.sequence else to_tensor_parallel(x, self.group)
+        if self.sequence:
+            return gather_sequence(x, self.group, self.backward_group)
+        return to_tensor_parallel(x, self.group, self.backward_group)
 
     def leave(self, x: Tensor) -> Tensor:
         """Row-parallel layers' partial outputs summed into what the residual stream holds."""
-        return reduce_scatter_sequence(x, self.group) if self.sequence else from_tensor_parallel(x, self.group)
+        if self.sequence:
+            return reduce_scatter_sequence(x, self.group, self.backward_group)
+        return from_tensor_parallel(x, self.group)
 
     def part(self, cfg: ModelConfig, name: str) -> PartSplit:
         """How `name` (a key of `PREFERRED`) of a model of `cfg` splits over these ranks."""
@@ -249,18 +263,18 @@ class TensorParallel:
         return from_tensor_parallel(y, self.group)
 
     def into_split(self, a: Tensor) -> Tensor:
-        return to_tensor_parallel(a, self.group)
+        return to_tensor_parallel(a, self.group, self.backward_group)
 
     def gather_features(self, y: Tensor) -> Tensor:
         y = gather_from_tensor_parallel(y, self.group)
-        return split_sequence(y, self.group) if self.sequence else y
+        return split_sequence(y, self.group, self.backward_group) if self.sequence else y
 
     # A part every rank holds whole. Under sequence parallelism it runs on the whole sequence
     # and keeps this rank's slice of its output: its weights' gradients are then partial, and
     # are summed over tp with the norms'.
 
     def whole_in(self, x: Tensor) -> Tensor:
-        return gather_sequence(x, self.group) if self.sequence else x
+        return gather_sequence(x, self.group, self.backward_group) if self.sequence else x
 
     def whole_out(self, y: Tensor) -> Tensor:
         return y.chunk(self.size, dim=1)[self.rank].contiguous() if self.sequence else y
@@ -307,7 +321,7 @@ def gather_from_tensor_parallel(x: Tensor, group) -> Tensor:
 
 
 def vocab_parallel_embedding(tokens: Tensor, embed: torch.nn.Embedding, first: int, group,
-                             sequence: bool = False) -> Tensor:
+                             sequence: bool = False, backward_group=None) -> Tensor:
     """Embedding rows of `tokens` from this rank's slice of the table, `embed` (vocabulary ids
     first .. first + rows - 1); the other ranks' rows come in the all-reduce, as zeros from
     here (`sequence`: a reduce-scatter, each rank keeping its slice of the sequence). The
@@ -318,7 +332,7 @@ def vocab_parallel_embedding(tokens: Tensor, embed: torch.nn.Embedding, first: i
     mine = (tokens >= first) & (tokens < first + embed.num_embeddings)
     rows = embed(torch.where(mine, tokens - first, 0))
     rows = rows * mine.unsqueeze(-1).to(rows.dtype)
-    return reduce_scatter_sequence(rows, group) if sequence else from_tensor_parallel(rows, group)
+    return reduce_scatter_sequence(rows, group, backward_group) if sequence else from_tensor_parallel(rows, group)
 
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -355,18 +369,19 @@ def _reduce_scatter_dim1(x: Tensor, group, overlap: bool = False) -> Tensor:
 
 class _SequenceExchange(torch.autograd.Function):
     """Along the sequence (dim 1): forward all-gathers the ranks' slices (`gather`) or
-    reduce-scatters their partial sums; backward does the other, each the other's adjoint."""
+    reduce-scatters their partial sums; backward does the other (over `backward_group`),
+    each the other's adjoint."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group, gather: bool) -> Tensor:
-        ctx.group, ctx.gather = group, gather
+    def forward(ctx, x: Tensor, group, gather: bool, backward_group) -> Tensor:
+        ctx.group, ctx.gather = backward_group, gather
         return (_gather_dim1 if gather else _reduce_scatter_dim1)(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         if ctx.gather:  # the input gradient of column-parallel layers: their weights' can run beside it
-            return _reduce_scatter_dim1(grad, ctx.group, overlap=True), None, None
-        return _gather_dim1(grad, ctx.group), None, None
+            return _reduce_scatter_dim1(grad, ctx.group, overlap=True), None, None, None
+        return _gather_dim1(grad, ctx.group), None, None, None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -374,29 +389,30 @@ class _SplitSequence(torch.autograd.Function):
     backward gathers the ranks' gradients of their slices into the whole one."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, group, backward_group) -> Tensor:
+        ctx.group = backward_group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         return x.chunk(size, dim=1)[rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _gather_dim1(grad, ctx.group), None
+        return _gather_dim1(grad, ctx.group), None, None
 
 
-def split_sequence(x: Tensor, group) -> Tensor:
-    """[b, t, ...], the same on every rank, to this rank's [b, t / tp, ...] slice."""
-    return x if group is None else _SplitSequence.apply(x, group)
+def split_sequence(x: Tensor, group, backward_group=None) -> Tensor:
+    """[b, t, ...], the same on every rank, to this rank's [b, t / tp, ...] slice.
+    `backward_group` (here and below): see `to_tensor_parallel`."""
+    return x if group is None else _SplitSequence.apply(x, group, _either(group, backward_group))
 
 
-def gather_sequence(x: Tensor, group) -> Tensor:
+def gather_sequence(x: Tensor, group, backward_group=None) -> Tensor:
     """[b, t / tp, ...] slices of the sequence to [b, t, ...] on every rank (sequence parallelism)."""
-    return x if group is None else _SequenceExchange.apply(x, group, True)
+    return x if group is None else _SequenceExchange.apply(x, group, True, _either(group, backward_group))
 
 
-def reduce_scatter_sequence(x: Tensor, group) -> Tensor:
+def reduce_scatter_sequence(x: Tensor, group, backward_group=None) -> Tensor:
     """[b, t, ...] partial sums to this rank's [b, t / tp, ...] slice of their sum."""
-    return x if group is None else _SequenceExchange.apply(x, group, False)
+    return x if group is None else _SequenceExchange.apply(x, group, False, _either(group, backward_group))
 
 
 def gather_whole(tensors: dict[str, Tensor], slices: dict[str, tuple[Slice, tuple[int, ...]]], group) -> dict[str, Tensor]:

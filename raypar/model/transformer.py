@@ -388,7 +388,8 @@ class Transformer(nn.Module):
         if tp is None:
             return self.embed(tokens)
         if self.vocab_along == "model.vocab_size":
-            return vocab_parallel_embedding(tokens, self.embed, self.vocab_first, tp.group, tp.sequence)
+            return vocab_parallel_embedding(tokens, self.embed, self.vocab_first, tp.group, tp.sequence,
+                                            tp.backward_group)
         if self.vocab_along == "model.dim":
             return tp.gather_features(self.embed(tokens))
         return tp.whole_out(self.embed(tokens))

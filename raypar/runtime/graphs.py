@@ -81,34 +81,44 @@ def live_microbatches(program: Sequence[Action], chunk: int = 0) -> int | None:
     return most
 
 
+def overlap_switches(cfg: Config, grid: Grid, has_moe: bool) -> list[str]:
+    """The `runtime.*_microbatch_overlap` switches that apply to a stage of this grid: what
+    it would hide (MoE all-to-alls at ep > 1, tp collectives at tp > 1), on or off."""
+    return ((["moe_microbatch_overlap"] if has_moe and grid.ep > 1 else [])
+            + (["tp_microbatch_overlap"] if grid.tp > 1 else []))
+
+
 def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, program: Sequence[Action],
-                    has_backward_group: bool) -> str | None:
+                    has_backward_groups: bool) -> str | None:
     """Why a stage whose micro-batches replay graphs runs them one after another rather than
-    each forward beside the previous backward (`runtime.moe_microbatch_overlap`); None when
-    it overlaps them. `has_backward_group`: the worker made the second ep communicator."""
-    if not cfg.runtime.moe_microbatch_overlap:
-        return "runtime.moe_microbatch_overlap is off"
+    each forward beside the previous backward (`runtime.moe_microbatch_overlap`,
+    `runtime.tp_microbatch_overlap`); None when it overlaps them. `has_backward_groups`:
+    the worker made the second communicators (see `wants_backward_groups`)."""
+    switches = overlap_switches(cfg, grid, has_moe)
+    if not switches:
+        return "no collective to hide: the stage has no MoE layers on parallel.ep > 1 and parallel.tp is 1"
+    if not any(getattr(cfg.runtime, s) for s in switches):
+        return " and ".join(f"runtime.{s}" for s in switches) + " off"
     if grid.pp > 1:
         return "parallel.pp > 1: a pipeline stage's units wait on its neighbours, not on each other"
-    if not has_moe or grid.ep == 1:
-        return "no all-to-all to hide: the stage has no MoE layers on parallel.ep > 1"
-    if grid.tp > 1:
-        return "parallel.tp > 1: the tp collectives of both directions share one communicator"
     if len({a.mb for a in program if a.op == Op.F}) < 2:
         return "one micro-batch a step"
     if live_microbatches(program) != 1:
         return "the schedule holds several micro-batches live (each backward does not follow its forward)"
-    if not has_backward_group:
-        return "the worker has no second ep communicator (see wants_backward_ep_group)"
+    if not has_backward_groups:
+        return "the worker has no second ep or tp communicator for backward (see wants_backward_groups)"
     return None
 
 
-def wants_backward_ep_group(cfg: Config, grid: Grid, backend: str) -> bool:
-    """Whether a worker makes the second ep communicator micro-batch overlap needs: on GPU
-    (NCCL), for a one-stage MoE grid with ep > 1 and no tp, with graphs and overlap on."""
+def wants_backward_groups(cfg: Config, grid: Grid, backend: str) -> bool:
+    """Whether a worker makes the second ep and tp communicators micro-batch overlap needs:
+    on GPU (NCCL), for a one-stage grid with MoE layers at ep > 1 or with tp > 1, with graphs
+    and the switch of either on. Both directions of every collective the stage runs then
+    have a communicator of their own."""
     r = cfg.runtime
-    return (backend == "nccl" and r.cuda_graphs and r.moe_microbatch_overlap and cfg.model.n_experts > 0
-            and grid.pp == 1 and grid.ep > 1 and grid.tp == 1)
+    switches = overlap_switches(cfg, grid, cfg.model.n_experts > 0)
+    return (backend == "nccl" and r.cuda_graphs and grid.pp == 1
+            and any(getattr(r, s) for s in switches))
 
 
 class MicroBatchStreams:

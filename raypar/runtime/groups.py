@@ -19,10 +19,12 @@ class StageGroups:
     ep: object | None  # this stage's expert-parallel group: token all-to-all
     line: list[int]  # global rank of each stage of this worker's pipeline (p2p peers)
     tp: object | None = None  # this stage cell's tensor-parallel group: the split layers' collectives
-    # A second communicator over the ep group, for backward's exchanges when a forward runs
-    # beside another micro-batch's backward (`runtime.moe_microbatch_overlap`): the two
-    # directions then reach their collectives in the same order on every rank.
+    # Second communicators over the ep and tp groups, for backward's collectives when a
+    # forward runs beside another micro-batch's backward (`runtime.moe_microbatch_overlap`,
+    # `runtime.tp_microbatch_overlap`): the two directions then reach their collectives in
+    # the same order on every rank.
     ep_backward: object | None = None
+    tp_backward: object | None = None
     # The pipeline's channels this stage takes part in, each a communicator of its own (so
     # a send waiting for its receiver holds up nothing on another channel), by (kind, sending
     # stage, receiving stage): activations ("F") go along the layout's links, gradients ("B")
@@ -42,10 +44,11 @@ def init_world(backend: str, master_addr: str, master_port: int, rank: int, worl
 
 
 def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | None = None,
-                 ep_backward: bool = False) -> StageGroups:
+                 backward_groups: bool = False) -> StageGroups:
     """new_group is collective over the whole world, so every rank walks every group.
     `layout`: where the model's chunks sit (default one per stage), which says which
-    stages exchange activations. `ep_backward`: also a second communicator per ep group.
+    stages exchange activations. `backward_groups`: also a second communicator per ep group
+    and per tp group (where that dimension is > 1).
 
     A group of every rank is the world's own: a second communicator over the same ranks
     would have its own stream and, on 2 x H200, the last two backwards before the norm's
@@ -72,12 +75,17 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
     walk("expert_grad", [grid.expert_grad_ranks(s, e, t) for s in range(grid.pp) for e in range(grid.ep) for t in tps])
     walk("ep", [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps])
     walk("tp", [grid.tp_ranks(d, s, e) for d in range(grid.dp) for s in range(grid.pp) for e in range(grid.ep)])
-    if ep_backward and grid.ep > 1:
+    if backward_groups:
         # Always groups of their own, also over the whole world: a second communicator.
-        for ranks in (grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps):
-            g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine["ep_backward"] = g
+        seconds = {"ep_backward": [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps],
+                   "tp_backward": [grid.tp_ranks(d, s, e) for d in range(grid.dp) for s in range(grid.pp)
+                                   for e in range(grid.ep)]}
+        for kind, members in seconds.items():
+            for ranks in members:
+                if len(ranks) > 1:
+                    g = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        mine[kind] = g
     line = grid.pipeline_ranks(me.dp, me.ep, me.tp)
     links = (layout or single(grid.pp)).forward_links()
     channels: dict[tuple[str, int, int], object] = {}
@@ -99,6 +107,7 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
         channels=channels,
         tp=mine.get("tp"),
         ep_backward=mine.get("ep_backward"),
+        tp_backward=mine.get("tp_backward"),
     )
 
 

@@ -102,7 +102,7 @@ class StepReport:
     buckets_early: int = 0
     microbatches: int = 0  # forwards in this worker's program
     graphed_microbatches: int = 0  # of them, those whose forward and backward replayed CUDA graphs
-    # Of those, the ones replayed beside another micro-batch's (runtime.moe_microbatch_overlap).
+    # Of those, the ones replayed beside another micro-batch's (runtime.*_microbatch_overlap).
     overlapped_microbatches: int = 0
     # Still making a copy of its state in memory (elastic.memory_every) from before this
     # step when it reported: a copy asked for now would likely be skipped, so the driver asks

@@ -38,8 +38,7 @@ from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
 from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, graph_key, graphs_blocked,
-                                   live_microbatches,
-                                   overlap_blocked)
+                                   live_microbatches, overlap_blocked, overlap_switches)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.p2p import Inflight, connect_channels
@@ -155,7 +154,7 @@ class StageRuntime:
         tp = None
         if grid.tp > 1:
             tp = TensorParallel(self.coord.tp, grid.tp, sequence=cfg.parallel.sequence_parallel)
-            tp.group = groups.tp
+            tp.group, tp.backward_group = groups.tp, groups.tp_backward
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
                                  init=init_weights, layout=self.layout, tp=tp)
@@ -221,6 +220,17 @@ class StageRuntime:
         # Building the stage and optimizer; connecting (waiting for the peers to get here too).
         self.setup_s = {"build": t1 - t0, "connect": time.perf_counter() - t1}
 
+    def _has_backward_groups(self) -> bool:
+        """Whether backward has a communicator of its own for each collective the stage runs
+        (MoE all-to-alls at ep > 1, tp collectives at tp > 1): what micro-batch overlap needs."""
+        return ((not self.moe_layers or self.grid.ep == 1 or self.groups.ep_backward is not None)
+                and (self.grid.tp == 1 or self.groups.tp_backward is not None))
+
+    def _say_one_after_another(self) -> None:
+        switches = " / ".join(f"runtime.{s}" for s in overlap_switches(self.cfg, self.grid, bool(self.moe_layers)))
+        print(f"stage {self.stage} rank {self.rank}: micro-batches replay one after another, not beside each other "
+              f"({switches}): {self.overlap_blocked}", file=sys.stderr, flush=True)
+
     # -- one step --------------------------------------------------------------------
 
     def set_program(self, program: list[Action]) -> None:
@@ -244,16 +254,15 @@ class StageRuntime:
         self.graphs_blocked = graphs_blocked(self.cfg, self.grid, self.program, self.device)
         # None, or why its graphed micro-batches run one after another rather than overlapped.
         self.overlap_blocked = self.graphs_blocked or overlap_blocked(
-            self.cfg, self.grid, bool(self.moe_layers), self.program, self.groups.ep_backward is not None)
+            self.cfg, self.grid, bool(self.moe_layers), self.program, self._has_backward_groups())
         if self.overlap_blocked is None:
             self._streams = self._streams or MicroBatchStreams()
         else:
             self._join()
             self._streams = None
-            if (program and self.graphs_blocked is None and self.cfg.runtime.moe_microbatch_overlap and self.moe_layers
-                    and self.grid.ep > 1 and self.grid.pp == 1):
-                print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
-                      f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
+            if program and self.graphs_blocked is None and self.grid.pp == 1 and any(
+                    getattr(self.cfg.runtime, s) for s in overlap_switches(self.cfg, self.grid, bool(self.moe_layers))):
+                self._say_one_after_another()
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
         splits = self._splits = any(a.op in (Op.I, Op.W) for a in self.program)
@@ -652,8 +661,7 @@ class StageRuntime:
             # communicators stay as they are, so ranks that still overlap meet this one.
             graphs, self._streams = graphs[:1], None
             self.overlap_blocked = f"the second graph set failed to capture: {e}"
-            print(f"stage {self.stage} rank {self.rank}: MoE micro-batches replay one after another, not beside "
-                  f"each other (runtime.moe_microbatch_overlap): {self.overlap_blocked}", file=sys.stderr, flush=True)
+            self._say_one_after_another()
         self._graphs[chunk] = graphs
         return graphs[mb % len(graphs)]
 
