@@ -244,16 +244,20 @@ def test_each_chunk_captures_its_sets_at_its_first_forward_before_any_backward(t
 
 def test_a_warm_up_keeps_the_moe_counts_of_the_steps_earlier_forwards(tmp_path):
     """A chunk captured mid-step (after another chunk's forwards) undoes only what its own
-    warm-up added to the MoE counters, in place (a replay adds into the captured tensors)."""
+    warm-up added to the MoE counters, in place (a replay adds into the captured tensors);
+    the all-to-all's bytes and time too (a replay adds the capture's bytes itself)."""
     from helpers import one_cpu_stage
 
     cfg = tiny_config(tmp_path, model={"n_experts": 4}, parallel={"pp": 1, "microbatches": 2})
     with one_cpu_stage(tmp_path, cfg) as runtime:
         stats = next(iter(runtime.moe_layers.values())).stats
         stats.add(torch.tensor([1, 2, 0, 3]), torch.tensor(1))  # the step's forwards so far
+        stats.alltoall_bytes, stats.alltoall_s = 100, 0.5
         routed, dropped = stats.routed, stats.dropped
         undo = runtime._undo_warm_up()
         stats.add(torch.tensor([5, 5, 5, 5]), torch.tensor(4))  # the warm-up's
+        stats.alltoall_bytes, stats.alltoall_s = 160, 0.75
         undo()
         assert stats.routed is routed and stats.dropped is dropped
         assert routed.tolist() == [1, 2, 0, 3] and int(dropped) == 1
+        assert (stats.alltoall_bytes, stats.alltoall_s) == (100, 0.5)

@@ -52,6 +52,21 @@ class MoEStats:
         # is launch time plus the waits the split sizes force, not kernel time.
         self.alltoall_s = 0.0
 
+    def saved(self) -> tuple:
+        """Every counter as it is now, for `restore`."""
+        return (None if self.routed is None else self.routed.clone(),
+                None if self.dropped is None else self.dropped.clone(), self.alltoall_bytes, self.alltoall_s)
+
+    def restore(self, saved: tuple) -> None:
+        """Put the counters back to `saved`, the device ones in place (a captured graph adds
+        into those tensors); one made since then goes back to zero."""
+        routed, dropped, self.alltoall_bytes, self.alltoall_s = saved
+        for counter, value in ((self.routed, routed), (self.dropped, dropped)):
+            if counter is not None and value is not None:
+                counter.copy_(value)
+            elif counter is not None:
+                counter.zero_()
+
     def add(self, routed: Tensor, dropped: Tensor | None) -> None:
         """dropped: None when nothing can be (dropless routing)."""
         if self.routed is None:

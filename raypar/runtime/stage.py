@@ -685,18 +685,12 @@ class StageRuntime:
     def _undo_warm_up(self) -> Callable[[], None]:
         """What undoes a graph's eager warm-up: the gradients it accumulated (the step has none
         yet) and what it added to the MoE counters (those of this step's earlier forwards stay)."""
-        stats = [m.stats for m in self.moe_layers.values()]
-        kept = [(s, s.routed.clone() if s.routed is not None else None,
-                 s.dropped.clone() if s.dropped is not None else None) for s in stats]
+        kept = [(m.stats, m.stats.saved()) for m in self.moe_layers.values()]
 
         def undo() -> None:
             self.optimizer.zero_grad()
-            for s, routed, dropped in kept:
-                for counter, value in ((s.routed, routed), (s.dropped, dropped)):
-                    if counter is not None and value is not None:
-                        counter.copy_(value)
-                    elif counter is not None:
-                        counter.zero_()
+            for stats, saved in kept:
+                stats.restore(saved)
         return undo
 
     def _backward(self, state: "_StepState", action: Action) -> None:
