@@ -1,6 +1,8 @@
 """Choosing a schedule from unit costs (parallel.schedule=auto, `raypar plan`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from raypar.driver.cli import main as cli_main
@@ -80,8 +82,16 @@ def test_finalists_are_run_and_the_fastest_measured_wins() -> None:
     # Measured, zb-h1 beats the predicted fastest: the measurement decides.
     chosen, why = choose(predictions, measured={"zb-h2": 0.30, "zb-h1": 0.25})
     assert chosen.schedule == "zb-h1" and why.startswith("fastest measured") and "zb-h1 250.0 ms, zb-h2 300.0 ms" in why
-    # Within 1% measured: the one holding less memory.
-    assert choose(predictions, measured={"zb-h2": 0.250, "zb-h1": 0.251})[0].schedule == "zb-h1"
+    # Within 1% measured and predicted alike (F = I = W): the one holding less memory.
+    chosen, why = choose(predictions, measured={"zb-h2": 0.250, "zb-h1": 0.251})
+    assert chosen.schedule == "zb-h1" and "least memory among zb-h1, zb-h2" in why
+    # Within 1% measured, but predicted 2% apart: a trial step cannot tell them apart, so the
+    # prediction does (a timed step's noise; the fastest predicted holding more memory).
+    apart = [replace(p, step_s=p.step_s * (1.02 if p.schedule == "zb-h1" else 1.0)) for p in predictions]
+    chosen, why = choose(apart, measured={"zb-h2": 0.251, "zb-h1": 0.250})
+    assert chosen.schedule == "zb-h2" and "the fastest predicted of them" in why
+    # Measured more than 1% apart: the measurement decides against the prediction.
+    assert choose(apart, measured={"zb-h2": 0.256, "zb-h1": 0.250})[0].schedule == "zb-h1"
     # A measured schedule over the budget is not chosen however fast.
     assert choose(predictions, budget_bytes=5 * MIB, measured={"zb-h2": 0.1, "zb-h1": 0.3})[0].schedule == "zb-h1"
     table = format_table(predictions, chosen, measured={"zb-h1": 0.25})

@@ -13,7 +13,8 @@ The choice is the fastest prediction whose peak fits the memory budget; predicti
 `TIE` of the fastest count as equally fast, and among them the one holding least memory
 wins (1F1B over fthenb at one stage, where every order takes the same time). A trainer
 runs the `finalists` (predicted within MEASURE_WITHIN of the fastest) a step or two each
-and passes their measured step times: then the fastest measured wins. The simulator
+and passes their measured step times: then the fastest measured wins, unless trial steps
+measured within `TIE` of each other, where the prediction breaks the tie. The simulator
 times each order from per-unit costs; what the host and the device add to an order
 (issuing W's extra GEMMs, allocations for more live micro-batches) it cannot see.
 
@@ -183,20 +184,23 @@ def finalists(predictions: Sequence[Prediction], budget_bytes: int | None = None
 def choose(predictions: Sequence[Prediction], budget_bytes: int | None = None,
            measured: dict[str, float] | None = None) -> tuple[Prediction, str]:
     """The chosen prediction and why (see the module). With `measured` (schedule -> seconds a
-    step took), the fastest measured among those that fit wins instead, ties (within TIE)
-    going to the least memory. Raises ScheduleError when none fits."""
+    step took), the fastest measured among those that fit wins instead. Measured within TIE
+    of each other, a trial step cannot tell them apart: the fastest predicted of those wins,
+    then the least memory. Raises ScheduleError when none fits."""
     fitting = [p for p in predictions if p.fits(budget_bytes)]
     if measured and fitting:
         tried = [p for p in fitting if p.schedule in measured]
         if tried:
             best = min(measured[p.schedule] for p in tried)
             tied = [p for p in tried if measured[p.schedule] <= best * (1 + TIE)]
-            chosen = min(tied, key=lambda p: (_peak(p), _simpler(p.schedule)))
+            chosen, predicted_tie = _fastest_then_least_memory(tied)
             runs = ", ".join(f"{p.schedule} {measured[p.schedule] * 1000:.1f} ms"
                              for p in sorted(tried, key=lambda p: measured[p.schedule]))
             reason = f"fastest measured of those predicted within {MEASURE_WITHIN:.0%} of the fastest ({runs} a step)"
             if len(tied) > 1:
-                reason += f", least memory among {', '.join(p.schedule for p in tied)} (within {TIE:.0%})"
+                reason += f"; {', '.join(p.schedule for p in tied)} measured within {TIE:.0%}: " + (
+                    f"least memory among {', '.join(p.schedule for p in predicted_tie)}, also predicted within "
+                    f"{TIE:.0%}" if len(predicted_tie) > 1 else "the fastest predicted of them")
             return chosen, reason
     if not fitting:
         least = min(predictions, key=lambda p: (_peak(p), _simpler(p.schedule)))
@@ -205,8 +209,7 @@ def choose(predictions: Sequence[Prediction], budget_bytes: int | None = None,
             f"{_gib(max(least.peak_bytes or [0]))} on its fullest stage; use more stages (parallel.pp), fewer "
             f"micro-batches, runtime.recompute=block, or a larger parallel.memory_budget_gb")
     fastest = min(p.step_s for p in fitting)
-    tied = [p for p in fitting if p.step_s <= fastest * (1 + TIE)]
-    chosen = min(tied, key=lambda p: (_peak(p), _simpler(p.schedule)))
+    chosen, tied = _fastest_then_least_memory(fitting)
     others = [p.schedule for p in predictions if p not in fitting]
     reason = "fastest predicted" if chosen.step_s == fastest else \
         f"predicted {chosen.step_s / fastest - 1:.1%} slower than the fastest"
@@ -215,6 +218,14 @@ def choose(predictions: Sequence[Prediction], budget_bytes: int | None = None,
     if others:
         reason += f"; over the memory budget of {_gib(budget_bytes)}: {', '.join(others)}"
     return chosen, reason
+
+
+def _fastest_then_least_memory(candidates: Sequence[Prediction]) -> tuple[Prediction, list[Prediction]]:
+    """The one of least memory (then the simplest) among those predicted within TIE of the
+    fastest, and those."""
+    fastest = min(p.step_s for p in candidates)
+    tied = [p for p in candidates if p.step_s <= fastest * (1 + TIE)]
+    return min(tied, key=lambda p: (_peak(p), _simpler(p.schedule))), tied
 
 
 def _peak(p: Prediction) -> float:
