@@ -108,13 +108,13 @@ class ParallelConfig:
     # Layers of each pipeline stage: None, as even as possible (extra layers to the middle
     # stages); "auto", balanced by modelled FLOPs so that the last stage's head does not make
     # it the slowest, cutting between a layer's attention and its MLP where that evens the
-    # stages out (any pp, also after an elastic re-plan); or a list, one count of whole
-    # layers per stage (with several chunks per stage, one per virtual stage: pp x chunks,
-    # in model order).
+    # stages out (any pp, also after an elastic re-plan); or a list, one count of layers per
+    # stage, whole or ending in .5 ([7.5, 6.5]: the cut between layer 7's attention and its
+    # MLP); with several chunks per stage, one per virtual stage: pp x chunks, in model order.
     # On 2 x H200 with the 1B config, "auto" ran 1F1B 1.02x its even split's speed, and
     # zb-h2 on its 7.5 | 6.5 cut was the fastest configuration measured, 0.95 of 2 x one GPU
     # (BENCHMARKS.md)
-    layers_per_stage: list[int] | Literal["auto"] | None = None
+    layers_per_stage: list[int | float] | Literal["auto"] | None = None
     # Split the fp32 masters and AdamW moments over the workers that hold the same weights
     # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
     shard_optimizer: bool = False
@@ -599,11 +599,15 @@ def validate(cfg: Config) -> None:
             per = "" if n_virtual == p.pp else f" x {n_virtual // p.pp} chunks = {n_virtual} virtual stages"
             raise ConfigError(f"parallel.layers_per_stage has {len(p.layers_per_stage)} entries but parallel.pp={p.pp}"
                               f"{per}")
-        if any(n < 1 for n in p.layers_per_stage):
-            raise ConfigError(f"parallel.layers_per_stage={p.layers_per_stage}: every stage needs at least one layer")
+        if any(2 * n != int(2 * n) for n in p.layers_per_stage):
+            raise ConfigError(f"parallel.layers_per_stage={p.layers_per_stage}: each count is whole or ends in .5 "
+                              f"(the cut between a layer's attention and its MLP), e.g. [7.5, 6.5]")
+        if any(n < 0.5 for n in p.layers_per_stage):
+            raise ConfigError(f"parallel.layers_per_stage={p.layers_per_stage}: every stage needs at least half a "
+                              f"layer")
         if sum(p.layers_per_stage) != m.n_layers:
             raise ConfigError(
-                f"parallel.layers_per_stage={p.layers_per_stage} sums to {sum(p.layers_per_stage)} "
+                f"parallel.layers_per_stage={p.layers_per_stage} sums to {sum(p.layers_per_stage):g} "
                 f"but model.n_layers={m.n_layers}"
             )
     replicas = p.dp * p.ep  # every pipeline of the grid reads its own share of the batch

@@ -57,6 +57,21 @@ def test_yaml_words_on_off_yes_no_are_strings_for_choices_and_booleans_for_flags
 def test_explicit_split_must_cover_the_layers():
     with pytest.raises(ConfigError, match=r"layers_per_stage=\[3, 2\] sums to 5 but model.n_layers=4"):
         load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[3,2]"])
+    with pytest.raises(ConfigError, match=r"layers_per_stage=\[1.5, 3\] sums to 4.5 but model.n_layers=4"):
+        load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[1.5,3]"])
+
+
+def test_an_explicit_split_counts_whole_and_half_layers():
+    """[1.5, 2.5]: the cut between layer 1's attention and its MLP; whole counts stay integers."""
+    assert load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[1.5,2.5]"]).parallel.layers_per_stage \
+        == [1.5, 2.5]
+    listed = load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[3,1]"]).parallel.layers_per_stage
+    assert listed == [3, 1] and all(type(n) is int for n in listed)
+    with pytest.raises(ConfigError, match=r"each count is whole or ends in .5 \(the cut between a layer's attention "
+                                          r"and its MLP\), e.g. \[7.5, 6.5\]"):
+        load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[1.25,2.75]"])
+    with pytest.raises(ConfigError, match=r"every stage needs at least half a layer"):
+        load_config(None, ["parallel.pp=2", "parallel.layers_per_stage=[0,4]"])
 
 
 def test_missing_config_file(tmp_path):

@@ -69,7 +69,7 @@ def test_rendered_types_and_defaults():
     by_key = {e.key: e for e in ENTRIES}
     assert by_key["parallel.schedule"].type == ('one of "fthenb", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", '
                                                  '"zb-v-half", "auto"')
-    assert by_key["parallel.layers_per_stage"].type == 'list[int] | one of "auto" | None'
+    assert by_key["parallel.layers_per_stage"].type == 'list[int | float] | one of "auto" | None'
     assert by_key["data.path"].type == "str | None"
     assert by_key["runtime.release"].type == "bool"
     assert by_key["model.dim"].type == "int"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raypar.config import ModelConfig
-from raypar.model.partition import balanced_halves, layer_parts, stage_halves
+from raypar.model.partition import balanced_halves, layer_parts, stage_halves, stage_sizes
 from raypar.model import (
     PartitionError,
     RMSNorm,
@@ -45,7 +45,8 @@ def full_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 
 
 # (3, "auto") cuts inside layer 1: [0, 1.attn] | [1.mlp, 2] | [3].
-SPLITS = [(1, None), (2, None), (3, None), (4, None), (3, [1, 2, 1]), (2, [3, 1]), (3, "auto")]
+SPLITS = [(1, None), (2, None), (3, None), (4, None), (3, [1, 2, 1]), (2, [3, 1]), (3, "auto"), (2, [1.5, 2.5]),
+          (3, [0.5, 2, 1.5])]
 
 
 # ---------------------------------------------------------------------------------------
@@ -439,6 +440,31 @@ def test_a_stage_holding_both_halves_of_a_layer_in_two_chunks_runs_them_apart():
 
 def test_split_explicit():
     assert split_layers(6, 3, [1, 4, 1]) == [range(0, 1), range(1, 5), range(5, 6)]
+
+
+def test_a_listed_cut_may_fall_inside_a_layer():
+    """A count ending in .5 cuts between a layer's attention and its MLP: [1.5, 2.5] holds
+    layer 0 and layer 1's attention on stage 0, layer 1's MLP and layers 2-3 on stage 1;
+    whole counts cut as `split_layers` does."""
+    cfg = tiny()
+    assert stage_halves(cfg, 2, [1.5, 2.5]) == [range(0, 3), range(3, 8)]
+    assert [layer_parts(h) for h in stage_halves(cfg, 2, [1.5, 2.5])] == [[0, (1, "attn")], [(1, "mlp"), 2, 3]]
+    assert [layer_parts(h) for h in stage_halves(cfg, 3, [0.5, 2, 1.5])] == [
+        [(0, "attn")], [(0, "mlp"), 1, (2, "attn")], [(2, "mlp"), 3]]
+    assert stage_halves(cfg, 2, [3, 1]) == [range(0, 6), range(6, 8)]
+    assert stage_sizes(cfg, 2, [1.5, 2.5]) == [1.5, 2.5]
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([1.25, 2.75], "each count is whole or ends in .5"),
+    ([0, 4], "every stage needs at least half a layer"),
+    ([1.5, 2], "sums to 3.5 but the model has 4 layers"),
+    ([1.5], "has 1 entries but there are 2 pipeline stages"),
+    ([True, 3], "each count is whole or ends in .5"),
+])
+def test_a_listed_cut_that_cannot_work_names_what_would(counts, message):
+    with pytest.raises(PartitionError, match=re.escape(message)):
+        stage_halves(tiny(), 2, counts)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,8 @@ GRIDS = {
     # A vocabulary whose head costs ~1.5 layers: "auto" splits 4 layers as 2.5 | 1.5, a cut
     # inside layer 2 (test_model).
     "pp2-auto-halves": dict(model={"n_layers": 4, "vocab_size": 512}, parallel={"pp": 2, "layers_per_stage": "auto"}),
-    "pp3-uneven-1-3-1": dict(model={"n_layers": 5}, parallel={"pp": 3, "layers_per_stage": [1, 3, 1]}),
+    # Listed, uneven, and inside layers 1 and 3: [0, 1-attn] | [1-mlp, 2, 3-attn] | [3-mlp, 4].
+    "pp3-listed-1.5-2-1.5": dict(model={"n_layers": 5}, parallel={"pp": 3, "layers_per_stage": [1.5, 2, 1.5]}),
     # Dropout masks follow the sample (per-sample seeds), so replicas, micro-batches and
     # recompute all draw the reference's masks.
     "pp2-dp2-dropout-recompute": dict(model={"n_layers": 4, "dropout": 0.2}, parallel={"pp": 2, "dp": 2},

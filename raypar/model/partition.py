@@ -12,7 +12,8 @@ from raypar.model.experts import unstacked
 from raypar.model.tensor_parallel import TensorParallel
 from raypar.model.transformer import HALVES, LayerPart, Transformer, head_flops, init_weights, layer_flops
 
-__all__ = ["PartitionError", "split_layers", "balanced_halves", "stage_halves", "layer_parts", "stage_sizes",
+__all__ = ["PartitionError", "split_layers", "balanced_halves", "listed_halves", "stage_halves", "layer_parts",
+           "stage_sizes",
            "build_stage", "stage_param_names", "stage_param_shapes"]
 
 
@@ -113,14 +114,34 @@ def balanced_halves(cfg: ModelConfig, n_stages: int) -> list[int]:
     return counts[::-1]
 
 
-def stage_halves(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[range]:
+def listed_halves(n_layers: int, n_stages: int, layers_per_stage: Sequence[float]) -> list[int]:
+    """Half layers per stage from one count of layers per stage, each whole or a half more
+    (7.5: seven layers and the attention of the next, whose MLP starts the next stage)."""
+    counts = list(layers_per_stage)
+    if len(counts) != n_stages:
+        raise PartitionError(f"layers_per_stage={counts} has {len(counts)} entries but there are {n_stages} "
+                             f"pipeline stages; give one count per stage")
+    if any(isinstance(c, bool) or not isinstance(c, (int, float)) or 2 * c != int(2 * c) for c in counts):
+        raise PartitionError(f"layers_per_stage={counts}: each count is whole or ends in .5 (a cut between a "
+                             f"layer's attention and its MLP), e.g. [7.5, 6.5]")
+    if any(c < 0.5 for c in counts):
+        raise PartitionError(f"layers_per_stage={counts}: every stage needs at least half a layer")
+    if sum(counts) != n_layers:
+        raise PartitionError(f"layers_per_stage={counts} sums to {sum(counts):g} but the model has {n_layers} layers")
+    return [int(2 * c) for c in counts]
+
+
+def stage_halves(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[float] | str | None) -> list[range]:
     """Each stage's run of half layers (half `u` is layer `u // 2`'s attention when `u` is
-    even, its MLP when odd): "auto" cuts by cost (`balanced_halves`), a list of layer counts
-    and None (the even split, `split_layers`) cut between whole layers."""
+    even, its MLP when odd): "auto" cuts by cost (`balanced_halves`), a list counts each
+    stage's layers in whole and half layers (`listed_halves`), and None is the even split
+    between whole layers (`split_layers`)."""
     if layers_per_stage == "auto":
         counts = balanced_halves(cfg, n_stages)
+    elif layers_per_stage is None:
+        counts = [2 * len(r) for r in split_layers(cfg.n_layers, n_stages)]
     else:
-        counts = [2 * len(r) for r in split_layers(cfg.n_layers, n_stages, layers_per_stage)]
+        counts = listed_halves(cfg.n_layers, n_stages, layers_per_stage)
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
@@ -144,13 +165,13 @@ def layer_parts(halves: range) -> list[LayerPart]:
     return parts
 
 
-def stage_sizes(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[int] | str | None) -> list[float]:
+def stage_sizes(cfg: ModelConfig, n_stages: int, layers_per_stage: Sequence[float] | str | None) -> list[float]:
     """Layers per stage, halves counted as 0.5 (what a cut looks like in a table)."""
     return [len(r) / 2 for r in stage_halves(cfg, n_stages, layers_per_stage)]
 
 
 def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
-                 layers_per_stage: Sequence[int] | str | None = None) -> list[float]:
+                 layers_per_stage: Sequence[float] | str | None = None) -> list[float]:
     """Training FLOPs per token each worker of `layout` runs: its chunks' layers, and the
     head on the worker holding the last virtual stage."""
     n = layout.n_virtual
@@ -162,7 +183,7 @@ def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
     return flops
 
 
-def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None,
+def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None,
                   ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
                   tp: TensorParallel | None = None) -> Transformer:
     if not 0 <= stage < n_stages:
@@ -187,7 +208,7 @@ def build_stage(
     cfg: ModelConfig,
     stage: int,
     n_stages: int,
-    layers_per_stage: Sequence[int] | str | None = None,
+    layers_per_stage: Sequence[float] | str | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
     ep_rank: int = 0,
@@ -231,7 +252,7 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
 
 
 def stage_param_names(
-    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None,
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None = None,
     layout: Layout | None = None,
 ) -> list[str]:
     """Global parameter names of a stage, without allocating any tensor."""
@@ -239,7 +260,7 @@ def stage_param_names(
 
 
 def stage_param_shapes(
-    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[int] | str | None = None,
+    cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None = None,
     ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
