@@ -126,6 +126,11 @@ def fallbacks(cfg: ModelConfig, tp: int) -> list[str]:
     return [f"tensor parallelism: {split.part}: {split.why}" for split in split_parts(cfg, tp).values() if split.why]
 
 
+def _either(group, backward_group):
+    """The group backward's collective runs on: `backward_group` where the runtime made one."""
+    return group if backward_group is None else backward_group
+
+
 class _ToTensorParallel(torch.autograd.Function):
     """Identity forward; backward sums the input gradients of the tp ranks (each rank's
     column slice contributed part of it) over `backward_group`."""
@@ -163,10 +168,6 @@ def to_tensor_parallel(x: Tensor, group, backward_group=None) -> Tensor:
     """The input of column-parallel layers (see the module). `backward_group`: the
     communicator over `group`'s ranks that backward's sum uses (`TensorParallel`); None: `group`."""
     return x if group is None else _ToTensorParallel.apply(x, _either(group, backward_group))
-
-
-def _either(group, backward_group):
-    return group if backward_group is None else backward_group
 
 
 def from_tensor_parallel(x: Tensor, group) -> Tensor:
