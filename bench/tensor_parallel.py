@@ -78,18 +78,21 @@ def run(ctx: "Context") -> list[dict]:
 
 
 PROFILED_STEP = 4
+PROFILED = {"tp=1, 1 GPU", "tp=2, 2 GPUs", "tp=2, micro-batches one after another, 2 GPUs",
+            "tp=2, sequence parallel, 2 GPUs"}
 
 
 def profile_rows(ctx: "Context", gpus: int) -> list[dict]:
-    """--profile: one more launch each of tp=1 and tp=2 with step PROFILED_STEP under
-    torch.profiler: each tp rank's kernel time by kind and its exposed all-reduce
-    (`raypar.runtime.profile.device_time`)."""
+    """--profile: one more launch each of tp=1, tp=2 (micro-batches overlapped, and one after
+    another) and tp=2 with sequence parallelism, with step PROFILED_STEP under torch.profiler:
+    each tp rank's kernel time by kind and its exposed collectives, all-reduces or the
+    sequence's gathers and reduce-scatters (`raypar.runtime.profile.device_time`)."""
     from pathlib import Path
 
     from raypar.runtime.profile import device_time
 
     rows: list[dict] = []
-    for label, need, overrides in ROWS[:2]:
+    for label, need, overrides in (row for row in ROWS if row[0] in PROFILED):
         if need > gpus:
             continue
         name = f"{label}, step {PROFILED_STEP} profiled"
@@ -122,10 +125,10 @@ def table(rows: list[dict]) -> str:
     if profiles:
         kinds = list(profiles[0]["ranks"][0]["by_kind"])
         lines += ["", "| profiled step | rank | span ms | busy ms | " + " | ".join(f"{k} ms" for k in kinds)
-                  + " | exposed all-reduce ms |", "|---|---|---|---|" + "---|" * (len(kinds) + 1)]
+                  + " | exposed collectives ms |", "|---|---|---|---|" + "---|" * (len(kinds) + 1)]
         for p in profiles:
             for r in p["ranks"]:
                 by = " | ".join(f"{r['by_kind'][k]['ms']:.1f}" for k in kinds)
                 lines.append(f"| {p['label']} | {r['rank']} | {r['span_ms']:.1f} | {r['busy_ms']:.1f} | {by} | "
-                             f"{r['exposed_ms'].get('AllReduce', 0.0):.1f} |")
+                             f"{sum(r['exposed_ms'].values()):.1f} |")
     return "\n".join(lines)
