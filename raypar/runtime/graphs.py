@@ -88,6 +88,11 @@ def overlap_switches(cfg: Config, grid: Grid, has_moe: bool) -> list[str]:
             + (["tp_microbatch_overlap"] if grid.tp > 1 else []))
 
 
+def overlap_wanted(cfg: Config, grid: Grid, has_moe: bool) -> bool:
+    """Whether a switch of `overlap_switches` that applies is on."""
+    return any(getattr(cfg.runtime, s) for s in overlap_switches(cfg, grid, has_moe))
+
+
 def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, program: Sequence[Action],
                     has_backward_groups: bool) -> str | None:
     """Why a stage whose micro-batches replay graphs runs them one after another rather than
@@ -97,7 +102,7 @@ def overlap_blocked(cfg: Config, grid: Grid, has_moe: bool, program: Sequence[Ac
     switches = overlap_switches(cfg, grid, has_moe)
     if not switches:
         return "no collective to hide: the stage has no MoE layers on parallel.ep > 1 and parallel.tp is 1"
-    if not any(getattr(cfg.runtime, s) for s in switches):
+    if not overlap_wanted(cfg, grid, has_moe):
         return " and ".join(f"runtime.{s}" for s in switches) + " off"
     if grid.pp > 1:
         return "parallel.pp > 1: a pipeline stage's units wait on its neighbours, not on each other"
@@ -115,10 +120,8 @@ def wants_backward_groups(cfg: Config, grid: Grid, backend: str) -> bool:
     on GPU (NCCL), for a one-stage grid with MoE layers at ep > 1 or with tp > 1, with graphs
     and the switch of either on. Both directions of every collective the stage runs then
     have a communicator of their own."""
-    r = cfg.runtime
-    switches = overlap_switches(cfg, grid, cfg.model.n_experts > 0)
-    return (backend == "nccl" and r.cuda_graphs and grid.pp == 1
-            and any(getattr(r, s) for s in switches))
+    return (backend == "nccl" and cfg.runtime.cuda_graphs and grid.pp == 1
+            and overlap_wanted(cfg, grid, cfg.model.n_experts > 0))
 
 
 class MicroBatchStreams:

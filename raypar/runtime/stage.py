@@ -38,7 +38,7 @@ from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
 from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, graph_key, graphs_blocked,
-                                   live_microbatches, overlap_blocked, overlap_switches)
+                                   live_microbatches, overlap_blocked, overlap_switches, overlap_wanted)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.p2p import Inflight, connect_channels
@@ -260,8 +260,8 @@ class StageRuntime:
         else:
             self._join()
             self._streams = None
-            if program and self.graphs_blocked is None and self.grid.pp == 1 and any(
-                    getattr(self.cfg.runtime, s) for s in overlap_switches(self.cfg, self.grid, bool(self.moe_layers))):
+            if (program and self.graphs_blocked is None and self.grid.pp == 1
+                    and overlap_wanted(self.cfg, self.grid, bool(self.moe_layers))):
                 self._say_one_after_another()
         # I and W need the linear layers to leave their weight gradients for later; so does
         # a whole backward that computes them while its MoE exchanges travel.
