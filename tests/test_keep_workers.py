@@ -59,6 +59,23 @@ def test_a_second_run_takes_the_first_runs_workers_and_trains_as_fresh_workers(r
     assert ended(second_pids)
 
 
+def _kill_and_wait(worker, timeout_s: float = 30.0) -> None:
+    """Kill an actor and return once it no longer answers: `ray.kill` only asks, and a ping
+    sent before the kill lands is still answered (the pool would then take the group whole
+    and replace the worker when its set-up fails, another path than the one tested)."""
+    ray.kill(worker)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    raise AssertionError(f"the killed worker still answers after {timeout_s:.0f} s")
+
+
 def test_kept_groups_serve_smaller_and_larger_grids_a_dead_one_is_replaced_other_shapes_go(ray_session, tmp_path):
     worker_pool.release()
     cfg2 = tiny_config(tmp_path, parallel={"pp": 2})
@@ -84,7 +101,7 @@ def test_kept_groups_serve_smaller_and_larger_grids_a_dead_one_is_replaced_other
     # A kept worker dies while it waits: its placement group goes whole, and the next group
     # starts its own workers.
     kept = [info["pid"] for info in group.info]
-    ray.kill(worker_pool._kept[0].workers[1])
+    _kill_and_wait(worker_pool._kept[0].workers[1])
     group = start_group(cfg2, dataset)
     try:
         assert not {info["pid"] for info in group.info} & set(kept)
