@@ -214,7 +214,8 @@ class StageWorker:
         init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
         layout = run_layout(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.chunks)
         groups = build_groups(self.grid, self.rank, timeout, layout,
-                              backward_groups=wants_backward_groups(self.cfg, self.grid, backend))
+                              backward_groups=wants_backward_groups(self.cfg, self.grid, backend),
+                              high_priority=self.cfg.runtime.collectives_high_priority)
         t1 = time.perf_counter()
         coord = self.grid.coord(self.rank)
         needs_data = layout.holds_data(coord.pp)
@@ -546,10 +547,12 @@ class StageWorker:
             self._snapshot_buffers = self.runtime.snapshot.release()
         self.runtime = None
         self.program_version = 0
-        self._destroy_groups()
-        # The stage's device memory goes back to torch's cache, not to CUDA: the next stage
-        # reuses it, and the allocator frees cached blocks itself when it needs other sizes.
+        # The stage's graphs go before its process groups (`StageRuntime.close`), also those
+        # only a reference cycle still holds. Its device memory goes back to torch's cache,
+        # not to CUDA: the next stage reuses it, and the allocator frees cached blocks itself
+        # when it needs other sizes.
         gc.collect()
+        self._destroy_groups()
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="control")
@@ -604,4 +607,6 @@ class StageWorker:
                 pass
 
     def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()  # its graphs go before the process groups
         self._destroy_groups()

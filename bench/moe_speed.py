@@ -58,7 +58,8 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
     step_s = statistics.median(r.step_time_s for r in steady)
     out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
            "step_ms": step_s * 1000, "steps_ms": [round(r.step_time_s * 1000) for r in s.records],
-           "mfu": statistics.median(r.mfu for r in steady), "alltoall_host_ms": s.alltoall_s_per_step * 1000}
+           "mfu": statistics.median(r.mfu for r in steady), "alltoall_host_ms": s.alltoall_s_per_step * 1000,
+           "losses": [r.loss for r in s.records], "expert_moves": s.expert_moves}
     traces = sorted((run_dir / "profile").glob(f"rank*-step{PROFILED_STEP}.json"))
     if traces:
         workers = [device_time(t) for t in traces]
@@ -147,6 +148,14 @@ def table(results: list[dict]) -> str:
             if on and kind not in KINDS and kind != "moe-baseline":
                 ratios.append(f"- round {r + 1}, {kind} / kernels on: "
                               f"{got[kind]['tokens_per_s'] / on['tokens_per_s']:.3f} (tokens/s)")
+                if got[kind].get("losses") and on.get("losses"):
+                    worst = max(abs(a - b) / abs(b) for a, b in zip(got[kind]["losses"], on["losses"]))
+                    ratios.append(f"- round {r + 1}, {kind}: losses within {worst:.1e} (relative) of kernels on's")
+            for m in got[kind].get("expert_moves", []):
+                ratios.append(f"- round {r + 1}, {kind}: {m['experts_moved']} experts moved before step {m['step']}, "
+                              f"busiest workers {m['busiest_before']:.3f}x -> {m['busiest_after']:.3f}x an even share "
+                              f"of the rows; move {m['total_s']:.2f} s (rebuild {m['rebuild_s']:.2f}, load "
+                              f"{m['load_s']:.2f}), step after it {got[kind]['steps_ms'][m['step']]} ms")
     return "\n".join(lines + [""] + ratios) + "\n"
 
 

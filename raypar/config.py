@@ -115,6 +115,17 @@ class ParallelConfig:
     # zb-h2 on its 7.5 | 6.5 cut was the fastest configuration measured, 0.95 of 2 x one GPU
     # (BENCHMARKS.md)
     layers_per_stage: list[int | float] | Literal["auto"] | None = None
+    # With MoE at ep > 1: every this many steps, move experts between each layer's ep workers
+    # so that the busiest worker's experts receive fewer rows (the routed counts summed over
+    # the steps since the last time), where that lowers the busiest workers' rows summed over
+    # layers by at least 2%; the workers move as to another cut (move_through). Results do not
+    # change (docs/concepts.md "Expert placement"). 0: never
+    rebalance_experts_every: int = 0
+    # Which experts each ep worker holds: per MoE layer in model order, the expert ids in slot
+    # order (worker r holds slots r x n_experts / ep onwards). None: expert e on worker
+    # e // (n_experts / ep). rebalance_experts_every sets it; checkpoints name experts by id
+    # whatever the placement
+    expert_placement: list[list[int]] | None = None
     # Split the fp32 masters and AdamW moments over the workers that hold the same weights
     # (ZeRO-1): gradients reduce-scattered, updated weights all-gathered
     shard_optimizer: bool = False
@@ -247,6 +258,10 @@ class RuntimeConfig:
     # and the backward's on a second tp communicator while the forward computes. Where a
     # stage has both (MoE at ep > 1 and tp > 1), either switch on overlaps its micro-batches.
     tp_microbatch_overlap: bool = True
+    # The ep and tp communicators on high-priority CUDA streams (NCCL): their kernels, also
+    # those a CUDA graph captured, take SMs ahead of compute kernels waiting for them, so an
+    # exchange is not held behind a grouped GEMM while the peer waits in it (GPU only)
+    collectives_high_priority: bool = False
 
 
 @dataclass
@@ -570,6 +585,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.n_experts < 0 or m.moe_every < 1 or m.moe_capacity_factor < 0 or m.moe_aux_loss_coef < 0 or m.moe_z_loss_coef < 0:
         raise ConfigError("model.n_experts, moe_aux_loss_coef, moe_z_loss_coef and moe_capacity_factor must be >= 0, moe_every >= 1")
+    if p.rebalance_experts_every < 0:
+        raise ConfigError(f"parallel.rebalance_experts_every={p.rebalance_experts_every} must be >= 0 (0: never)")
+    if p.expert_placement is not None:
+        from raypar.expert_placement import placement_problem
+
+        why = placement_problem(m, p.expert_placement)
+        if why is not None:
+            raise ConfigError(f"parallel.expert_placement does not fit the model: {why}")
     if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.n_experts={m.n_experts}")
     if p.ep > 1 and not m.n_experts:

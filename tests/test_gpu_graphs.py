@@ -147,6 +147,31 @@ def test_overlapped_microbatches_equal_one_after_another(ray_session, tmp_path, 
         torch.testing.assert_close(on_weights[name], w, rtol=2e-2, atol=1e-3)
 
 
+def test_graphed_moe_with_experts_placed_otherwise_equals_the_default(ray_session, tmp_path):
+    """parallel.expert_placement at ep=2 (experts 3 and 1 on worker 0 at layer 0, ...):
+    graphed, overlapped micro-batches send each row to its expert's worker by the slot table
+    on the device, and losses, gradients (by the experts' own names), counters and weights
+    equal the default placement's."""
+    _need_gpus(2)
+    plan = [("1f1b", 4), ("1f1b", 4), ("1f1b", 2)]
+    placed_cfg = _moe_config(tmp_path / "placed", "bfloat16", 2)
+    placed_cfg.parallel.expert_placement = [[3, 1, 0, 2], [2, 0, 3, 1]]
+    placed, placed_weights = _steps(placed_cfg, tmp_path / "placed", plan)
+    default, default_weights = _steps(_moe_config(tmp_path / "default", "bfloat16", 2), tmp_path / "default", plan)
+    for step, ((loss, grads, reports), (d_loss, d_grads, d_reports)) in enumerate(zip(placed, default)):
+        assert [r.graphed_microbatches for r in reports] == [r.graphed_microbatches for r in d_reports]
+        assert sum(r.overlapped_microbatches for r in reports) > 0
+        assert loss == pytest.approx(d_loss, rel=1e-3), step
+        assert sorted(grads) == sorted(d_grads)
+        for name, g in d_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=lambda m_: f"step {step} {name}: {m_}")
+        total = lambda rs: {k: [sum(c) for c in zip(*(r.expert_tokens[k] for r in rs))]  # noqa: E731
+                            for k in rs[0].expert_tokens}
+        assert total(reports) == total(d_reports), step
+    for name, w in default_weights.items():
+        torch.testing.assert_close(placed_weights[name], w, rtol=2e-2, atol=1e-3)
+
+
 def test_fp32_moe_on_gpu_runs_eagerly_and_matches_reference(ray_session, tmp_path):
     """An fp32 model on a GPU has ops a graph cannot capture (the experts' loop reads the
     group sizes on the host): capture fails on every rank alike, and the run goes on

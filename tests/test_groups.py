@@ -104,6 +104,37 @@ def test_backward_groups_are_second_communicators_over_each_ep_and_tp_group(fake
     assert all(c == per_rank[0] for c in per_rank)
 
 
+@pytest.mark.parametrize("dp,pp,ep,tp", [(1, 1, 2, 1), (1, 1, 1, 2), (2, 1, 2, 1)])
+def test_high_priority_collectives_are_groups_of_their_own(monkeypatch, dp, pp, ep, tp):
+    """runtime.collectives_high_priority on NCCL: every ep and tp group, and their second
+    communicators, is made with high-priority stream options, also where it spans the whole
+    world (the world's own group keeps its normal stream); the others are made as before."""
+    made: list[tuple[tuple[int, ...], object]] = []
+    urgent = object()
+
+    def new_group(ranks, timeout=None, pg_options=None):
+        made.append((tuple(ranks), pg_options))
+        return tuple(ranks)
+
+    monkeypatch.setattr(groups_mod, "dist", SimpleNamespace(
+        new_group=new_group, get_world_size=lambda group=None: grid.size, group=SimpleNamespace(WORLD=WORLD)))
+    monkeypatch.setattr(groups_mod, "_high_priority_options", lambda: urgent)
+    grid = Grid(dp=dp, pp=pp, ep=ep, tp=tp)
+    for rank in range(grid.size):
+        made.clear()
+        g = groups_mod.build_groups(grid, rank, timedelta(seconds=5), backward_groups=True, high_priority=True)
+        c = grid.coord(rank)
+        ep_ranks, tp_ranks = tuple(grid.ep_ranks(c.dp, c.pp, c.tp)), tuple(grid.tp_ranks(c.dp, c.pp, c.ep))
+        marked = [ranks for ranks, options in made if options is urgent]
+        wanted = [ranks for d in range(dp) for s in range(pp) for ranks in
+                  ([tuple(grid.ep_ranks(d, s, t)) for t in range(tp)] if ep > 1 else [])]
+        wanted += [ranks for d in range(dp) for s in range(pp) for ranks in
+                   ([tuple(grid.tp_ranks(d, s, e)) for e in range(ep)] if tp > 1 else [])]
+        assert sorted(marked) == sorted(wanted * 2)  # each group and its second communicator
+        assert all(options is None or ranks in wanted for ranks, options in made)
+        assert (g.ep, g.tp) == ((ep_ranks if ep > 1 else None), (tp_ranks if tp > 1 else None))
+
+
 def test_loop_and_v_links():
     """One chunk per stage: activations go down the line, gradients back. Interleaved chunks
     add the way back from the last stage to the first; a V adds every link upwards."""

@@ -34,6 +34,7 @@ from raypar.data import SampleOrder, TokenDataset, open_dataset, split_batch
 from raypar.driver.callbacks import Callback
 from raypar.driver.cut_move import move_on_devices, move_through_checkpoint, room_on_devices
 from raypar.driver.event_log import EventLog
+from raypar.driver.expert_balance import ExpertBalance
 from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, plan_grid, with_plan, worker_slots
 from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
@@ -120,6 +121,7 @@ class Controller:
         self._peak_flops = 0.0  # per device, from the workers' devices once they are placed
         self.run_schedule = RunSchedule(log)  # what the workers run, on which cut; auto's choices
         self.run_schedule.start(self.cfg, self.grid)
+        self.expert_balance = ExpertBalance(log)  # parallel.rebalance_experts_every
 
     def stop(self, save: bool) -> None:
         self._stop = True
@@ -146,6 +148,7 @@ class Controller:
                          for c in self.saver.results],
             checkpoints_skipped=self.saver.skipped, restarts=self.restarts, recoveries=self.recoveries,
             schedule_choices=self.run_schedule.choices, moves=self.run_schedule.moves,
+            expert_moves=self.expert_balance.moves,
             controller_states=[state.value for _, state, _ in self.states.history])
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         self._notify("on_train_end", summary)
@@ -235,6 +238,9 @@ class Controller:
             if self.run_schedule.due and not inflight and grow_to is None and not self._stop \
                     and next_step < self.cfg.train.steps:
                 self._change_schedule(next_step, next_consumed)
+            if self.expert_balance.due(self.cfg, self.grid, next_step) and not inflight and grow_to is None \
+                    and not self._stop:
+                self._rebalance_experts(next_step, next_consumed)
             while (grow_to is None and not self._stop and next_step < self.cfg.train.steps
                    and len(inflight) <= self.cfg.runtime.steps_ahead and self._may_issue(next_step, inflight)):
                 inflight.append(self._issue(next_step, next_consumed, order))
@@ -278,6 +284,8 @@ class Controller:
         """
         if (self.run_schedule.choosing or self.run_schedule.due) and inflight:
             return False  # what the next step runs depends on the one in flight
+        if self.expert_balance.due(self.cfg, self.grid, step) and inflight:
+            return False  # experts may move before it, with nothing in flight
         policy = self.saver.policy
         if not inflight or not policy.save_due(step + 1):
             return True
@@ -359,6 +367,7 @@ class Controller:
                 del self._memory_steps[old]
         record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
         records.append(record)
+        self.expert_balance.observe(record)
         self._max_step_done = max(self._max_step_done, step + 1)
         if self._recovery is not None:
             self._finish_recovery()
@@ -501,11 +510,49 @@ class Controller:
 
     def _move_to(self, schedule: str, layout: Layout, steps_done: int, consumed: int) -> str | None:
         """Move the workers to `layout` (how `schedule` cuts the model) after `steps_done`
-        steps, on their devices where they have room (and parallel.move_through allows), else
-        through a checkpoint (`raypar.driver.cut_move`); the move goes to `moves`. Returns why
-        not, when it failed before the stages were cut anew (the cut is unchanged)."""
+        steps (`_move_workers`); the move goes to `moves`. Returns why not, when it failed
+        before the stages were cut anew (the cut is unchanged)."""
         chunks = layout.n_chunks if schedule in CHUNKED_SCHEDULES else None
         new_cfg = replace(self.cfg, parallel=replace(self.cfg.parallel, schedule=schedule, chunks=chunks))
+        move = self._move_workers(new_cfg, layout, steps_done, consumed)
+        if isinstance(move, str):
+            return move
+        move = {"schedule": schedule, "cut": describe(layout), "step": steps_done, **move}
+        self.run_schedule.moves.append(move)
+        first = "saves in flight finished" if move["through"] == "devices" else "checkpoint"
+        self.log(f"raypar: moved the model to {describe(layout)} for {schedule} at step {steps_done} through "
+                 f"{move['through']} in {move['total_s']:.1f}s: {first} {move['save_s']:.1f}s, stages rebuilt "
+                 f"{move['rebuild_s']:.1f}s, state loaded {move['load_s']:.1f}s ({move['bytes'] / 2**30:.2f} GiB)")
+        return None
+
+    def _rebalance_experts(self, steps_done: int, consumed: int) -> None:
+        """Before step `steps_done`, nothing in flight: move experts between the ep workers
+        where that evens out their rows (`ExpertBalance`); the move goes to `expert_moves`."""
+        proposed = self.expert_balance.propose(self.cfg, self.grid, steps_done)
+        if proposed is None:
+            return
+        placement, record = proposed
+        new_cfg = replace(self.cfg, parallel=replace(self.cfg.parallel, expert_placement=placement))
+        move = self._move_workers(new_cfg, self.run_schedule.layout, steps_done, consumed)
+        if isinstance(move, str):
+            self.log(f"raypar: experts stay on their workers at step {steps_done}: {move}")
+            return
+        # The placement holds for the rest of the run, re-plans included.
+        self.base_cfg, self.cfg = (replace(c, parallel=replace(c.parallel, expert_placement=placement))
+                                   for c in (self.base_cfg, self.cfg))
+        self.group.set_programs(self.run_schedule.programs)
+        record.update(move)
+        self.expert_balance.moves.append(record)
+        self.log(f"raypar: moved {record['experts_moved']} experts between workers at step {steps_done} through "
+                 f"{move['through']} in {move['total_s']:.1f}s: the busiest workers receive "
+                 f"{record['busiest_after']:.3f}x an even share of the rows, {record['busiest_before']:.3f}x before "
+                 f"(stages rebuilt {move['rebuild_s']:.1f}s, state loaded {move['load_s']:.1f}s)")
+
+    def _move_workers(self, new_cfg: Config, layout: Layout, steps_done: int, consumed: int) -> dict | str:
+        """Rebuild the workers' stages as `new_cfg` cuts and places them, their state moved
+        along: on their devices where they have room (and parallel.move_through allows), else
+        through a checkpoint (`raypar.driver.cut_move`). Returns the move's record (its phases'
+        seconds), or why not, when it failed before the stages were rebuilt (nothing changed)."""
         why_not = ("parallel.move_through is checkpoint" if self.cfg.parallel.move_through == "checkpoint"
                    else room_on_devices(self.group, new_cfg))
         if why_not is None:
@@ -518,18 +565,12 @@ class Controller:
             if isinstance(move, str):
                 return move
         if self.cfg.elastic.enabled and self.cfg.elastic.memory_every > 0:
-            # The copies held were of the other cut: from now on, this one's.
+            # The copies held were of the stages before: from now on, these.
             self.group.memory.clear()
             self._memory_steps = {}
             self.group.memory.set_peers()
-        move = {"schedule": schedule, "cut": describe(layout), "step": steps_done, **move}
         move["total_s"] = move["save_s"] + move["rebuild_s"] + move["load_s"]
-        self.run_schedule.moves.append(move)
-        first = "saves in flight finished" if move["through"] == "devices" else "checkpoint"
-        self.log(f"raypar: moved the model to {describe(layout)} for {schedule} at step {steps_done} through "
-                 f"{move['through']} in {move['total_s']:.1f}s: {first} {move['save_s']:.1f}s, stages rebuilt "
-                 f"{move['rebuild_s']:.1f}s, state loaded {move['load_s']:.1f}s ({move['bytes'] / 2**30:.2f} GiB)")
-        return None
+        return move
 
     def _memory_budget(self) -> int | None:
         """Bytes a stage may hold: parallel.memory_budget_gb, else DEVICE_MEMORY_SHARE of the

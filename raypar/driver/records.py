@@ -199,6 +199,10 @@ class RunSummary:
     # Each move of the workers to another cut of the model (a schedule of other chunks per
     # stage): its schedule, step, and checkpoint, rebuild and load seconds.
     moves: list[dict] = field(default_factory=list)
+    # Each move of experts between ep workers (parallel.rebalance_experts_every): its step,
+    # the busiest workers' rows against an even share before and after, the experts moved,
+    # and the move's seconds.
+    expert_moves: list[dict] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -258,6 +262,10 @@ class RunSummary:
         for m in self.moves:
             lines.append(f"moved to a new cut  {m['cut']} for {m['schedule']} at step {m['step']}: {m['total_s']:.2f} s "
                          f"(checkpoint {m['save_s']:.2f}, rebuild {m['rebuild_s']:.2f}, load {m['load_s']:.2f})")
+        for m in self.expert_moves:
+            lines.append(f"experts moved       {m['experts_moved']} at step {m['step']}: busiest workers "
+                         f"{m['busiest_before']:.3f}x -> {m['busiest_after']:.3f}x an even share of the rows, "
+                         f"{m['total_s']:.2f} s (rebuild {m['rebuild_s']:.2f}, load {m['load_s']:.2f})")
         for r in self.recoveries:
             lines.append(f"recovery {r['restart']}          {r['error']} on {r['failed_grid']} -> {r['grid']}: detected in "
                          f"{r['detection_s']:.1f}s, recovered in {r['recovery_s']:.1f}s, {r['steps_lost']} steps redone")
@@ -275,7 +283,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
               tokens_per_step: int, consumed: int, start_step: int, checkpoints: list[dict],
               checkpoints_skipped: int, restarts: int, recoveries: list[Recovery],
               controller_states: list[str], schedule_choices: list[dict] | None = None,
-              moves: list[dict] | None = None) -> RunSummary:
+              moves: list[dict] | None = None, expert_moves: list[dict] | None = None) -> RunSummary:
     # The first step pays for allocation and warm-up; leave it out of the rates when there are others.
     steady = records[1:] if len(records) > 1 else records
     avg = lambda attr: fmean(getattr(r, attr) for r in steady) if steady else 0.0  # noqa: E731
@@ -321,6 +329,7 @@ def summarise(records: list[StepRecord], *, grid: Grid, schedule: str, microbatc
         controller_states=controller_states,
         schedule_choices=schedule_choices or [],
         moves=moves or [],
+        expert_moves=expert_moves or [],
         records=records,
     )
 

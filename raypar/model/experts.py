@@ -1,6 +1,6 @@
 """A rank's experts as stacked weights, run as one grouped GEMM per projection.
 
-`GroupedExperts` holds expert `first + j` of a MoE layer in slice j of two parameters:
+`GroupedExperts` holds expert `ids[j]` of a MoE layer in slice j of two parameters:
 `w13` [n, 2 * hidden, dim] (gate rows, then up rows: one GEMM for both) and `w2`
 [n, dim, hidden]. Rows arrive grouped by expert; `ends[g]` is where group g ends. On a
 GPU the projections are torch's `grouped_mm` (one kernel for every expert,
@@ -14,7 +14,7 @@ does not depend on how many experts a rank stacks and loads on any expert-parall
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +30,15 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 class GroupedExperts(nn.Module):
-    """Experts first .. first + count - 1 of one MoE layer, each a SwiGLU MLP."""
+    """Experts `ids` of one MoE layer, each a SwiGLU MLP, in that order."""
 
     split_backward = False  # set by `split_backward.set_split_backward`
 
-    def __init__(self, dim: int, hidden: int, first: int, count: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, hidden: int, ids: Sequence[int], dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.first, self.count, self.hidden = first, count, hidden
-        self.w13 = nn.Parameter(torch.empty(count, 2 * hidden, dim, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(count, dim, hidden, dtype=dtype))
+        self.ids, self.count, self.hidden = list(ids), len(ids), hidden
+        self.w13 = nn.Parameter(torch.empty(self.count, 2 * hidden, dim, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(self.count, dim, hidden, dtype=dtype))
 
     def forward(self, rows: Tensor, ends: Tensor) -> Tensor:
         """rows [r, dim] grouped by expert; ends int32 [count], cumulative. Rows past
@@ -51,7 +51,7 @@ class GroupedExperts(nn.Module):
         h = self.hidden
         w13, w2 = [], []
         for j in range(self.count):
-            name = f"{prefix}.{self.first + j}"
+            name = f"{prefix}.{self.ids[j]}"
             w13 += [(f"{name}.w1.weight", (j, slice(0, h))), (f"{name}.w3.weight", (j, slice(h, 2 * h)))]
             w2.append((f"{name}.w2.weight", (j,)))
         return {f"{prefix}.w13": w13, f"{prefix}.w2": w2}

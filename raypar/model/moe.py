@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,10 @@ class MoE(nn.Module):
     """Router plus this rank's share of the experts, stacked (`layers.<i>.mlp.experts`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
-                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None) -> None:
+                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
+                 placement: Sequence[int] | None = None) -> None:
+        """`placement`: the expert in each slot (`raypar.expert_placement`); ep worker r holds
+        slots r x E/ep onwards. None, or with ep=1: expert e in slot e."""
         super().__init__()
         self.tp = tp
         self.n_experts = cfg.n_experts
@@ -145,8 +149,18 @@ class MoE(nn.Module):
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.local = cfg.n_experts // ep_size
         self.router = Linear(cfg.dim, cfg.n_experts, bias=False, dtype=dtype)
-        self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, ep_rank * self.local, self.local,
-                                      dtype=dtype)
+        identity = list(range(cfg.n_experts))
+        self.slot_experts = list(placement) if placement is not None and ep_size > 1 else identity
+        if sorted(self.slot_experts) != identity:
+            raise ValueError(f"layer {layer_id}: placement {self.slot_experts} is not an order of the expert ids "
+                             f"0..{cfg.n_experts - 1}")
+        self.placed = self.slot_experts != identity
+        mine = self.slot_experts[ep_rank * self.local:(ep_rank + 1) * self.local]
+        self.experts = GroupedExperts(cfg.dim, cfg.moe_ffn_dim or cfg.hidden_dim, mine, dtype=dtype)
+        # Expert id -> slot, on the device (a CUDA graph reads it): derived, not saved.
+        self.register_buffer("slot_of", torch.empty(0, dtype=torch.int64), persistent=False)
+        if not self.slot_of.is_meta:  # a meta build fills it after allocating (`reset_buffers`)
+            self.reset_buffers()
         self.ep_group = None  # set by the runtime when ep_size > 1
         # Another communicator over ep_group's ranks for the padded exchange's backward
         # (runtime.moe_microbatch_overlap), set by the runtime; None: ep_group.
@@ -155,6 +169,12 @@ class MoE(nn.Module):
         self.chunks = 1  # pieces of a padded exchange that overlap (runtime.moe_chunks)
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
         self.stats = MoEStats()
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        slot_of = [0] * self.n_experts
+        for slot, expert in enumerate(self.slot_experts):
+            slot_of[expert] = slot
+        self.slot_of = torch.tensor(slot_of, dtype=torch.int64, device=device or self.slot_of.device)
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp
@@ -173,6 +193,9 @@ class MoE(nn.Module):
         weights, experts, keep, aux, z = route(logits, k, self.capacity_factor, z_loss=self.z_coef > 0)
         expert, weight = experts.flatten(), weights.flatten()
         routed = _count(expert, self.n_experts)
+        if self.placed:
+            # From here on, where each choice's row goes: its expert's slot.
+            expert = self.slot_of[expert]
         # Slots the capacity dropped sort after all others (as expert n_experts), so every
         # size below is known on the host without reading the device.
         if self.capacity_factor > 0:
@@ -182,7 +205,7 @@ class MoE(nn.Module):
             counts = None
         else:
             self.stats.add(routed, None)
-            counts = routed
+            counts = _count(expert, self.n_experts) if self.placed else routed
         if self.ep_size > 1 and self.padded_alltoall:
             out = self._exchange_padded(x.reshape(b * t, d), expert, weight, counts).reshape(b, t, d)
         else:

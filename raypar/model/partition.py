@@ -9,6 +9,7 @@ from torch import nn
 from raypar.config import ModelConfig
 from raypar.schedule.layout import Layout
 from raypar.model.experts import unstacked
+from raypar.expert_placement import layer_orders
 from raypar.model.tensor_parallel import TensorParallel
 from raypar.model.transformer import HALVES, LayerPart, Transformer, head_flops, init_weights, layer_flops
 
@@ -185,13 +186,16 @@ def layout_flops(cfg: ModelConfig, seq_len: int, layout: Layout,
 
 def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None,
                   ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
-                  tp: TensorParallel | None = None) -> Transformer:
+                  tp: TensorParallel | None = None,
+                  expert_placement: Sequence[Sequence[int]] | None = None) -> Transformer:
+    placed = layer_orders(cfg, expert_placement)
     if not 0 <= stage < n_stages:
         raise PartitionError(f"stage {stage} does not exist in a {n_stages}-stage pipeline; use 0..{n_stages - 1}")
     if layout is None or layout.n_chunks == 1:
         ranges = stage_halves(cfg, n_stages, layers_per_stage)
         return Transformer(cfg, layer_ids=layer_parts(ranges[stage]), has_embed=stage == 0,
-                           has_head=stage == n_stages - 1, ep_rank=ep_rank, ep_size=ep_size, tp=tp)
+                           has_head=stage == n_stages - 1, ep_rank=ep_rank, ep_size=ep_size, tp=tp,
+                           expert_placement=placed)
     if layout.n_actors != n_stages:
         raise PartitionError(f"a layout of {layout.n_actors} stage(s) for a {n_stages}-stage pipeline")
     # An interleaved schedule cuts the model into stages x chunks virtual stages (layers_per_stage
@@ -201,7 +205,7 @@ def _stage_module(cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage:
     return Transformer(cfg, chunks=[layer_parts(ranges[layout.virtual(stage, c)]) for c in chunks],
                        embed_chunk=next((c for c in chunks if layout.is_first(stage, c)), None),
                        head_chunk=next((c for c in chunks if layout.is_last(stage, c)), None),
-                       ep_rank=ep_rank, ep_size=ep_size, tp=tp)
+                       ep_rank=ep_rank, ep_size=ep_size, tp=tp, expert_placement=placed)
 
 
 def build_stage(
@@ -216,6 +220,7 @@ def build_stage(
     init: bool = True,
     layout: Layout | None = None,
     tp: TensorParallel | None = None,
+    expert_placement: Sequence[Sequence[int]] | None = None,
 ) -> Transformer:
     """Pipeline stage `stage` of `n_stages`, initialised with `init_weights(seed)`.
 
@@ -227,9 +232,10 @@ def build_stage(
     `layout`: an interleaved schedule's chunks (`raypar.schedule.layout`); the stage then
     holds one run of layers per chunk, `layers_per_stage` counting each virtual stage's.
     `tp`: this worker's slice of the stage's layers (tensor parallelism).
+    `expert_placement`: which experts each ep worker holds (`raypar.expert_placement`).
     """
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout, tp)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout, tp, expert_placement)
     _allocate(model, torch.device(device if device is not None else "cpu"))
     model.reset_buffers()
     if init:
@@ -262,8 +268,10 @@ def stage_param_names(
 def stage_param_shapes(
     cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None = None,
     ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
+    expert_placement: Sequence[Sequence[int]] | None = None,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout,
+                              expert_placement=expert_placement)
     return [(name, t.shape, t.dtype) for name, t in unstacked(model)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,7 @@ class Attention(nn.Module):
 
 
 def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 1,
-              tp: TensorParallel | None = None) -> nn.Module:
+              tp: TensorParallel | None = None, placement: Sequence[int] | None = None) -> nn.Module:
     """The MLP of layer `layer_id`.
 
     This is the seam for mixture-of-experts: a MoE layer (for chosen layer ids, e.g. every
@@ -121,7 +121,7 @@ def build_mlp(cfg: ModelConfig, layer_id: int, ep_rank: int = 0, ep_size: int = 
         # Experts split over ep, not tp: under tp every tp rank runs the layer whole on the
         # same tokens (its input and output are whole on every rank, as around a norm; under
         # sequence parallelism on the gathered sequence, keeping its slice of the output).
-        return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg), tp=tp)
+        return MoE(cfg, layer_id, ep_rank, ep_size, dtype=param_dtype(cfg), tp=tp, placement=placement)
     if tp is None:
         return FeedForward(cfg.dim, cfg.hidden_dim, dtype=param_dtype(cfg))
     kind = {"model.ffn_dim": ParallelFeedForward, "model.dim": FeatureParallelFeedForward,
@@ -185,7 +185,8 @@ class Block(nn.Module):
     puts its attention on one stage and its MLP on the next)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1,
-                 tp: TensorParallel | None = None, halves: Sequence[str] = HALVES) -> None:
+                 tp: TensorParallel | None = None, halves: Sequence[str] = HALVES,
+                 placement: Sequence[int] | None = None) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
         self.layer_id = layer_id
@@ -199,7 +200,7 @@ class Block(nn.Module):
             self.attn = Attention(cfg, tp)
         if "mlp" in self.halves:
             self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-            self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size, tp)
+            self.mlp = build_mlp(cfg, layer_id, ep_rank, ep_size, tp, placement)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, seeds: Tensor | None = None,
                 half: str | None = None) -> Tensor:
@@ -265,6 +266,7 @@ class Transformer(nn.Module):
         embed_chunk: int | None = None,
         head_chunk: int | None = None,
         tp: TensorParallel | None = None,
+        expert_placement: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         super().__init__()
         dtype = param_dtype(cfg)
@@ -316,7 +318,9 @@ class Transformer(nn.Module):
             self.embed = nn.Embedding(vocab, width, _weight=torch.empty(vocab, width, dtype=dtype))
             if by_vocab or by_dim:
                 tp.mark(self.embed, "weight", (cfg.vocab_size, cfg.dim), 1 if by_dim else 0)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp, hs) for i, hs in halves.items()})
+        placed = expert_placement or {}
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, ep_rank, ep_size, tp, hs, placed.get(i))
+                                     for i, hs in halves.items()})
         if has_head:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
             # Untied from embed: the two live on different pipeline stages.
@@ -332,13 +336,17 @@ class Transformer(nn.Module):
             self.reset_buffers()
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the rotary tables, e.g. after building on the meta device and `to_empty`."""
+        """(Re)compute the rotary tables and the MoE layers' slot tables, e.g. after building
+        on the meta device and `to_empty`."""
         if device is None:
             device = self.rope_cos.device
         cfg = self.cfg
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin
         self._rope_cast: tuple[tuple, Tensor, Tensor] | None = None
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers(device)
 
     def _rope(self, t: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The first `t` positions of the rotary tables in `dtype`, cast once, not per layer."""

@@ -44,11 +44,12 @@ def init_world(backend: str, master_addr: str, master_port: int, rank: int, worl
 
 
 def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | None = None,
-                 backward_groups: bool = False) -> StageGroups:
+                 backward_groups: bool = False, high_priority: bool = False) -> StageGroups:
     """new_group is collective over the whole world, so every rank walks every group.
     `layout`: where the model's chunks sit (default one per stage), which says which
     stages exchange activations. `backward_groups`: also a second communicator per ep group
-    and per tp group (where that dimension is > 1).
+    and per tp group (where that dimension is > 1). `high_priority` (NCCL): the ep and tp
+    communicators run on high-priority streams, then always groups of their own.
 
     A group of every rank is the world's own: a second communicator over the same ranks
     would have its own stream and, on 2 x H200, the last two backwards before the norm's
@@ -58,14 +59,16 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
     mine: dict[str, object | None] = {}
     world = dist.get_world_size()
 
-    def walk(kind: str, members: list[list[int]]) -> None:
+    urgent = _high_priority_options() if high_priority else None
+
+    def walk(kind: str, members: list[list[int]], options=None) -> None:
         for ranks in members:
             if len(ranks) == 1:
                 g = None
-            elif len(ranks) == world:
+            elif len(ranks) == world and options is None:
                 g = dist.group.WORLD
             else:
-                g = dist.new_group(ranks, timeout=timeout)
+                g = _new_group(ranks, timeout, options)
             if rank in ranks:
                 mine[kind] = g
 
@@ -73,8 +76,9 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
     walk("replica", [grid.replica_ranks(d) for d in range(grid.dp)])
     walk("dense_grad", [grid.dense_grad_ranks(s, t) for s in range(grid.pp) for t in tps])
     walk("expert_grad", [grid.expert_grad_ranks(s, e, t) for s in range(grid.pp) for e in range(grid.ep) for t in tps])
-    walk("ep", [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps])
-    walk("tp", [grid.tp_ranks(d, s, e) for d in range(grid.dp) for s in range(grid.pp) for e in range(grid.ep)])
+    walk("ep", [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps], urgent)
+    walk("tp", [grid.tp_ranks(d, s, e) for d in range(grid.dp) for s in range(grid.pp) for e in range(grid.ep)],
+         urgent)
     if backward_groups:
         # Always groups of their own, also over the whole world: a second communicator.
         seconds = {"ep_backward": [grid.ep_ranks(d, s, t) for d in range(grid.dp) for s in range(grid.pp) for t in tps],
@@ -83,7 +87,7 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
         for kind, members in seconds.items():
             for ranks in members:
                 if len(ranks) > 1:
-                    g = dist.new_group(ranks, timeout=timeout)
+                    g = _new_group(ranks, timeout, urgent)
                     if rank in ranks:
                         mine[kind] = g
     line = grid.pipeline_ranks(me.dp, me.ep, me.tp)
@@ -109,6 +113,20 @@ def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | Non
         ep_backward=mine.get("ep_backward"),
         tp_backward=mine.get("tp_backward"),
     )
+
+
+def _new_group(ranks: list[int], timeout: timedelta, options=None):
+    return dist.new_group(ranks, timeout=timeout) if options is None else \
+        dist.new_group(ranks, timeout=timeout, pg_options=options)
+
+
+def _high_priority_options():
+    """NCCL process group options for communicators on high-priority streams; None on gloo."""
+    if dist.get_backend() != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
 
 
 def abort_groups() -> None:

@@ -157,7 +157,8 @@ class StageRuntime:
             tp.group, tp.backward_group = groups.tp, groups.tp_backward
         self.model = build_stage(cfg.model, self.stage, grid.pp, cfg.parallel.layers_per_stage,
                                  seed=cfg.train.seed, device=device, ep_rank=self.coord.ep, ep_size=grid.ep,
-                                 init=init_weights, layout=self.layout, tp=tp)
+                                 init=init_weights, layout=self.layout, tp=tp,
+                                 expert_placement=cfg.parallel.expert_placement)
         # By parameter name, this worker's tp slices; the parameters every tp rank holds whole
         # (norms) are counted once in the gradient norm.
         self._tp_sliced = tp_slices(self.model) if tp else {}
@@ -559,9 +560,15 @@ class StageRuntime:
     # -- actions -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop what runs beside the steps: the data prefetch's thread."""
+        """Stop what runs beside the steps (the data prefetch's thread) and drop the captured
+        graphs. A graph that captured a collective holds its NCCL communicator: destroying
+        the process groups while it lives hangs in ncclCommDestroy (pytorch#115388)."""
         if self._prefetch is not None:
             self._prefetch.close()
+        # A graph still replaying is freed when its replay ends (cudaGraphExecDestroy); no
+        # synchronize here, which would wait forever on a collective a lost peer left.
+        self._ahead = None
+        self._graphs = {}
 
     def _load(self, sample_ids: list[int], n_mb: int):
         """The step's batch on the device, in micro-batches, and the seconds the host waited for it."""
