@@ -115,11 +115,13 @@ class ParallelConfig:
     # zb-h2 on its 7.5 | 6.5 cut was the fastest configuration measured, 0.95 of 2 x one GPU
     # (BENCHMARKS.md)
     layers_per_stage: list[int | float] | Literal["auto"] | None = None
-    # With MoE at ep > 1: every this many steps, move experts between each layer's ep workers
-    # so that the busiest worker's experts receive fewer rows (the routed counts summed over
-    # the steps since the last time), where that lowers the busiest workers' rows summed over
-    # layers by at least 2%; the workers move as to another cut (move_through). Results do not
-    # change (docs/concepts.md "Expert placement"). 0: never
+    # With MoE at ep > 1: every this many steps (0: never, else at least 2), move experts
+    # between each layer's ep workers so that the busiest worker's experts receive fewer
+    # rows (the routed counts of the steps since the last time), where that lowers the
+    # busiest workers' rows summed over layers by at least 2%, and so would a placement made
+    # from the first half of those steps on the second half (routing holds still); the
+    # workers move as to another cut (move_through). Results do not change
+    # (docs/concepts.md "Where experts live")
     rebalance_experts_every: int = 0
     # Which experts each ep worker holds: per MoE layer in model order, the expert ids in slot
     # order (worker r holds slots r x n_experts / ep onwards). None: expert e on worker
@@ -585,8 +587,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.n_experts < 0 or m.moe_every < 1 or m.moe_capacity_factor < 0 or m.moe_aux_loss_coef < 0 or m.moe_z_loss_coef < 0:
         raise ConfigError("model.n_experts, moe_aux_loss_coef, moe_z_loss_coef and moe_capacity_factor must be >= 0, moe_every >= 1")
-    if p.rebalance_experts_every < 0:
-        raise ConfigError(f"parallel.rebalance_experts_every={p.rebalance_experts_every} must be >= 0 (0: never)")
+    if p.rebalance_experts_every < 0 or p.rebalance_experts_every == 1:
+        raise ConfigError(f"parallel.rebalance_experts_every={p.rebalance_experts_every} must be 0 (never) or at least "
+                          f"2: a move is checked on the second half of the steps since the last look")
     if p.expert_placement is not None:
         from raypar.expert_placement import placement_problem
 

@@ -199,3 +199,17 @@ def one_cpu_stage(tmp_path, cfg: Config):
         yield runtime
     finally:
         dist.destroy_process_group()
+
+
+def assert_same_checkpoints(expected: Path, got: Path, step: int, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    """The checkpoints of step `step` under the checkpoint folders `expected` and `got` name
+    the same tensors, RNG states aside, and hold them within the tolerances (compared in
+    fp32); returns the names."""
+    from raypar.checkpoint import CheckpointReader, checkpoint_dir
+
+    with CheckpointReader(checkpoint_dir(expected, step)) as a, CheckpointReader(checkpoint_dir(got, step)) as b:
+        names = sorted(n for n in a.names() if not n.startswith("rng."))
+        assert names == sorted(n for n in b.names() if not n.startswith("rng."))
+        for n in names:
+            torch.testing.assert_close(b.read(n).float(), a.read(n).float(), rtol=rtol, atol=atol, msg=n)
+    return names

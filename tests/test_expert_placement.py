@@ -7,9 +7,9 @@ import random
 import pytest
 
 from raypar.config import ConfigError, load_config
-from raypar.expert_placement import balanced_placement, busiest, identity, moved_experts, worker_loads
+from raypar.expert_placement import balanced_placement, busiest, moved_experts, worker_loads
 
-from helpers import run_config
+from helpers import assert_same_checkpoints, run_config
 from test_moe import PLAN, moe_config, run_against_reference
 
 
@@ -52,7 +52,8 @@ def identity_of(layers: int, experts: int) -> list[list[int]]:
      r"lists 1 layers; the model has 2 MoE layers \(\[0, 1\]\): give one list of the 4 expert ids per MoE layer"),
     (["model.n_experts=4", "model.n_layers=2", "parallel.expert_placement=[[1,0,2,3],[0,0,1,2]]"],
      r"entry 1 \(layer 1\) is \[0, 0, 1, 2\], not an order of the expert ids 0..3"),
-    (["parallel.rebalance_experts_every=-1"], r"parallel.rebalance_experts_every=-1 must be >= 0 \(0: never\)"),
+    (["parallel.rebalance_experts_every=1"], r"parallel.rebalance_experts_every=1 must be 0 \(never\) or at least 2: "
+                                              r"a move is checked on the second half of the steps since the last look"),
 ])
 def test_a_placement_that_does_not_fit_says_why(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -74,18 +75,17 @@ def test_rebalancing_moves_experts_mid_run_and_changes_nothing_else(ray_session,
     """Every 2 steps the driver looks at the rows each worker's experts received and moves
     experts where that evens them out: the losses and the final checkpoint (weights, masters,
     moments, under the experts' own names) are those of the run that never moves them."""
-    import torch
-
-    from raypar.checkpoint import CheckpointReader, checkpoint_dir
     from raypar.data import write_synthetic_corpus
     from raypar.driver.trainer import Trainer
 
     write_synthetic_corpus(tmp_path / "data.parquet", 256, 8, 64, seed=1)
-    model = {"n_experts": 4, "moe_top_k": 2, "n_layers": 2}
+    # A peaky router (large init) at a small learning rate: routing uneven and holding still,
+    # as in settled training, so the look's second test lets the move through.
+    model = {"n_experts": 8, "moe_top_k": 2, "n_layers": 2, "init_std": 0.5}
 
     def run(name: str, every: int):
         cfg = run_config(tmp_path, name, (1, 1, 2), 6, model=model, checkpoint={"every": 6},
-                         parallel={"rebalance_experts_every": every})
+                         parallel={"rebalance_experts_every": every}, train={"lr": 1e-4, "min_lr": 1e-5})
         return Trainer(cfg, log=lambda m: None).fit()
 
     fixed, rebalanced = run("fixed", 0), run("rebalanced", 2)
@@ -93,13 +93,44 @@ def test_rebalancing_moves_experts_mid_run_and_changes_nothing_else(ray_session,
     assert rebalanced.expert_moves, "the tiny model's untrained router sends more rows to some experts"
     first = rebalanced.expert_moves[0]
     assert first["step"] in (2, 4) and first["through"] == "devices" and first["experts_moved"] > 0
-    assert first["busiest_after"] <= 0.98 * first["busiest_before"]
+    assert first["busiest_after"] <= 0.98 * first["busiest_before"] and first["held_out_share"] <= 0.98
     assert 0 < first["sent_bytes"] < first["bytes"]
     assert "experts moved" in rebalanced.format()
     assert [r.loss for r in rebalanced.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
-    with CheckpointReader(checkpoint_dir(tmp_path / "fixed" / "ckpt", 6)) as a, \
-            CheckpointReader(checkpoint_dir(tmp_path / "rebalanced" / "ckpt", 6)) as b:
-        names = sorted(n for n in a.names() if not n.startswith("rng."))
-        assert names == sorted(n for n in b.names() if not n.startswith("rng."))
-        for n in names:
-            torch.testing.assert_close(b.read(n), a.read(n), rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_checkpoints(tmp_path / "fixed" / "ckpt", tmp_path / "rebalanced" / "ckpt", 6)
+
+
+
+@pytest.mark.parametrize("drifting", [False, True], ids=["routing-holds", "routing-drifts"])
+def test_a_move_is_proposed_only_where_routing_holds_still(drifting) -> None:
+    """Each look places experts by the steps since the last one, but moves only where a
+    placement made from the first half of those steps would also even the second half out:
+    while the router's preferences drift, a move evens loads that are already gone."""
+    from types import SimpleNamespace
+
+    from raypar.driver.expert_balance import ExpertBalance
+    from raypar.topology import Grid
+
+    cfg = load_config(None, ["model.n_experts=4", "model.n_layers=1", "parallel.ep=2", "train.steps=10",
+                             "parallel.rebalance_experts_every=4"])
+    said: list[str] = []
+    balance = ExpertBalance(said.append)
+    early, late = [50, 30, 10, 10], [20, 20, 40, 20]  # by default worker 0 (experts 0, 1) gets 80, then 40
+    for step in range(4):
+        counts = late if drifting and step >= 2 else early
+        balance.observe(SimpleNamespace(expert_tokens={"0": counts}))
+    grid = Grid(1, 1, 2)
+    assert balance.due(cfg, grid, 4) and not balance.due(cfg, grid, 3)
+    proposed = balance.propose(cfg, grid, 4)
+    assert not balance.due(cfg, grid, 4)  # looked at once
+    if drifting:
+        # The four steps together (70, 50, 50, 30) would be evened out to 100 | 100 from 120 | 80;
+        # placed by the first two, the last two's busiest worker gets 60 either way.
+        assert proposed is None
+        assert "routing moves: placed by the first 2 of the 4 steps since the last look, the busiest workers of " \
+               "the other 2 would have received 1.000x their rows" in said[-1]
+    else:
+        placement, record = proposed
+        assert worker_loads(placement[0], early, 2) in ([60, 40], [40, 60])
+        assert record["busiest_before"] == pytest.approx(1.6) and record["busiest_after"] == pytest.approx(1.2)
+        assert record["held_out_share"] == pytest.approx(0.75) and record["experts_moved"] == 2

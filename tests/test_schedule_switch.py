@@ -10,7 +10,7 @@ import pytest
 from raypar.config import ConfigError
 from raypar.driver.trainer import Trainer
 
-from helpers import SwitchAt, run_config
+from helpers import SwitchAt, assert_same_checkpoints, run_config
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +70,6 @@ def test_moving_on_devices_keeps_every_loss_and_weight(runs, grid, parallel, che
     layers that change worker go point to point. With replicas, optimizer shares and an EMA
     (dp=2), and with tp slices of a MoE model (tp=2): the losses and the final checkpoint's
     weights, masters, moments and EMA are the fixed 1F1B run's."""
-    import torch
-
-    from raypar.checkpoint import CheckpointReader, checkpoint_dir
-
     model = {"n_experts": 4, "moe_top_k": 2} if parallel.get("tp") else {}
     sections = {"parallel": parallel, "checkpoint": {"every": 9, **checkpoint}}
     name = "-".join(map(str, grid))
@@ -84,13 +80,8 @@ def test_moving_on_devices_keeps_every_loss_and_weight(runs, grid, parallel, che
     # 1F1B's stages hold layers 0-1 and 2-3 (and the head); the V's 0 and 3, 1 and 2; the loop's 0 and 2, 1 and 3.
     assert all(0 < m["sent_bytes"] < m["bytes"] for m in moved.moves), moved.moves
     assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in fixed.records], rel=1e-5)
-    with CheckpointReader(checkpoint_dir(fixed_dir / "ckpt", 9)) as a, \
-            CheckpointReader(checkpoint_dir(moved_dir / "ckpt", 9)) as b:
-        names = sorted(n for n in a.names() if not n.startswith("rng."))
-        assert names == sorted(n for n in b.names() if not n.startswith("rng."))
-        assert any(n.startswith("ema.") for n in names) == bool(checkpoint)
-        for n in names:
-            torch.testing.assert_close(b.read(n), a.read(n), rtol=1e-5, atol=1e-6, msg=n)
+    names = assert_same_checkpoints(fixed_dir / "ckpt", moved_dir / "ckpt", 9)
+    assert any(n.startswith("ema.") for n in names) == bool(checkpoint)
 
 
 def test_a_switch_that_cannot_run_is_refused_at_once(tmp_path) -> None:
