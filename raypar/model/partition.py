@@ -268,10 +268,8 @@ def stage_param_names(
 def stage_param_shapes(
     cfg: ModelConfig, stage: int, n_stages: int, layers_per_stage: Sequence[float] | str | None = None,
     ep_rank: int = 0, ep_size: int = 1, layout: Layout | None = None,
-    expert_placement: Sequence[Sequence[int]] | None = None,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of each parameter of a stage, without allocating any tensor."""
     with torch.device("meta"):
-        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout,
-                              expert_placement=expert_placement)
+        model = _stage_module(cfg, stage, n_stages, layers_per_stage, ep_rank, ep_size, layout)
     return [(name, t.shape, t.dtype) for name, t in unstacked(model)]
