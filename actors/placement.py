@@ -1,6 +1,7 @@
 """Where stage workers run: placement groups of worker bundles, and starting a worker in one."""
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -24,8 +25,21 @@ from .stage_worker import StageWorker
 # shared a collective with a lost one into a lost one too, so none survive to be kept.
 # Steps that ran into such an abort fail at their next collective; a snapshot is taken
 # only after a check over the world (`StageRuntime.start_snapshot`).
+# CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8): the host feeds the device through that
+# many hardware queues, and streams beyond it share them, so work on one stream waits behind
+# work queued earlier on another. A replayed graph's branches run on streams of their own
+# (an MoE backward graph at ep=2, 17), so the forward replayed beside a backward on the other
+# micro-batch stream waited behind part of it: 13 ms of a 23 ms backward at ep=2 on 2 x H200.
+# With 32 the MoE step ran 1.04x the tokens/s (BENCHMARKS.md, eleventh session).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+           "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+
+
+def gpu_env() -> dict[str, str]:
+    """GPU_ENV, where the driver's own environment sets one of its variables with the driver's value."""
+    return {name: os.environ.get(name, value) for name, value in GPU_ENV.items()}
+
 
 # A slot is one bundle of a placement group: (placement group, bundle index).
 Slot = tuple
@@ -95,7 +109,9 @@ class Placement:
         pg, bundle = slot
         env = None
         if self.resources.device == "cuda":
-            env_vars = {**GPU_ENV, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if borrows_gpu else GPU_ENV
+            env_vars = gpu_env()
+            if borrows_gpu:
+                env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
             env = {"env_vars": env_vars}
         return StageWorker.options(
             num_cpus=self.resources.cpus,

@@ -73,12 +73,12 @@ def alltoall_figures(summary, cfg) -> dict:
 def p2p_row() -> dict:
     import ray
 
-    from raypar.actors.placement import GPU_ENV
+    from raypar.actors.placement import gpu_env
 
     if ray.cluster_resources().get("GPU", 0) < 2:
         return {"label": "NCCL p2p send/recv, 256 MiB", "unavailable": "needs 2 GPUs in the Ray cluster"}
     peer = ray.remote(num_gpus=1, num_cpus=1)(P2PPeer)
-    peers = [peer.options(runtime_env={"env_vars": GPU_ENV}).remote(rank) for rank in range(2)]
+    peers = [peer.options(runtime_env={"env_vars": gpu_env()}).remote(rank) for rank in range(2)]
     try:
         port = ray.get(peers[0].free_port.remote(), timeout=120)
         ray.get([p.setup.remote(port) for p in peers], timeout=120)

@@ -331,12 +331,12 @@ def start_ray(cpu: bool) -> None:
     # Actors defined in bench/ (moe's p2p pair) are imported by name in the workers.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     if not cpu:
-        from raypar.actors.placement import GPU_ENV
+        from raypar.actors.placement import gpu_env
 
-        # NVLink multicast off for everything this process starts (Ray workers, spawned stages).
-        # Eager CUDA module loading stays with the processes that need it: the driver's own
-        # CUDA start would only get slower.
-        os.environ.update({k: v for k, v in GPU_ENV.items() if k != "CUDA_MODULE_LOADING"})
+        # NVLink multicast off for everything this process starts (Ray workers, spawned stages);
+        # a variable this process was started with keeps its value. Eager CUDA module loading
+        # stays with the processes that need it: the driver's own CUDA start would only get slower.
+        os.environ.update({k: v for k, v in gpu_env().items() if k != "CUDA_MODULE_LOADING"})
     # On CPU: 8 logical CPUs, so fractional workers of every suite's grid fit on 2 cores.
     ray.init(address="local", num_cpus=8 if cpu else None, include_dashboard=False, log_to_driver=True)
 

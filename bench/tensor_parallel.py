@@ -34,6 +34,9 @@ ROWS = [
     # The same issued op by op: how much of tp's gain needs the host out of the way.
     ("tp=2, eager (runtime.cuda_graphs=false), 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "runtime.cuda_graphs=false"]),
     ("tp=2, sequence parallel, 2 GPUs", 2, ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # The same with the tp communicators on high-priority streams (runtime.collectives_high_priority).
+    ("tp=2, high-priority collectives, 2 GPUs", 2,
+     ["parallel.pp=1", "parallel.tp=2", "runtime.collectives_high_priority=true"]),
     # ~9.4B parameters: 20 bytes each of weights, gradients, fp32 masters, master gradients
     # and moments (~190 GB) do not fit one GPU; tp=2 holds half on each.
     (BIG, 2, ["parallel.pp=1", "parallel.tp=2", "model.dim=6144", "model.n_heads=48", "model.n_layers=20",
@@ -49,7 +52,7 @@ def run(ctx: "Context") -> list[dict]:
     rows: list[dict] = []
     for label, need, overrides in ROWS:
         if ctx.cpu and ("sequence" in label or "in line" in label or "eager" in label or "one after another" in label
-                        or label == BIG):
+                        or "high-priority" in label or label == BIG):
             continue  # the same path as its GPU run, tested elsewhere (tests/test_tensor_parallel.py)
         if need > gpus:
             have = "a CPU run takes the rows of up to 2 workers" if ctx.cpu else f"this machine has {gpus}"
