@@ -18,7 +18,8 @@ pipeline transfers share that name) run while no compute kernel does, as a share
 worker's step on the device; "of it, transfer" leaves out the time a worker waited for its
 peer to enter each exchange (`runtime.profile.exchange_waits`: the workers' traces share
 one host's clock); "on the busiest worker" is the share on the worker with the most compute,
-whose step the other waits for. Writes DIR/moe_speed.json and DIR/moe_speed.md.
+whose step the other waits for. Each launch also says how long two graph replays ran at once
+(`runtime.profile.graph_replays`): the micro-batch overlap at work. Writes DIR/moe_speed.json and DIR/moe_speed.md.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ PROFILED_STEP = 6
 def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
-    from raypar.runtime.profile import device_time, exchange_waits
+    from raypar.runtime.profile import device_time, exchange_waits, graph_replays
 
     run_dir = work / kind
     common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
@@ -67,6 +68,10 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
         out["workers"] = [{"span_ms": w["span_ms"], "busy_ms": w["busy_ms"], "compute_busy_ms": w["compute_busy_ms"],
                            "exposed_ms": w["exposed_ms"], "top_kernels": w["top_kernels"],
                            "by_kind": {k: round(v["ms"], 1) for k, v in w["by_kind"].items()}} for w in workers]
+        for w, trace in zip(out["workers"], traces):
+            replays = graph_replays(trace)
+            w["graphs"] = {"replays": len(replays["replays"]), "replay_ms": replays["replay_ms"],
+                           "concurrent_ms": replays["concurrent_ms"]}
         if not kind.startswith("dense"):
             shares = [w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"] for w in workers]
             out["exposed_alltoall_share"] = max(shares)
@@ -157,6 +162,11 @@ def table(results: list[dict]) -> str:
                 if got[kind].get("losses") and on.get("losses"):
                     worst = max(abs(a - b) / abs(b) for a, b in zip(got[kind]["losses"], on["losses"]))
                     ratios.append(f"- round {r + 1}, {kind}: losses within {worst:.1e} (relative) of kernels on's")
+            replays = [w["graphs"] for w in got[kind].get("workers", []) if w.get("graphs", {}).get("replays")]
+            if replays:
+                ratios.append(f"- round {r + 1}, {kind}: graph replays ran two at once for "
+                              + ", ".join(f"{g['concurrent_ms']:.0f} of {g['replay_ms']:.0f} ms" for g in replays)
+                              + " (per worker)")
             for m in got[kind].get("expert_moves", []):
                 ratios.append(f"- round {r + 1}, {kind}: {m['experts_moved']} experts moved before step {m['step']}, "
                               f"busiest workers {m['busiest_before']:.3f}x -> {m['busiest_after']:.3f}x an even share "

@@ -89,7 +89,8 @@ def profile_rows(ctx: "Context", gpus: int) -> list[dict]:
     """--profile: one more launch each of tp=1, tp=2 (micro-batches overlapped, and one after
     another) and tp=2 with sequence parallelism, with step PROFILED_STEP under torch.profiler:
     each tp rank's kernel time by kind and its exposed collectives, all-reduces or the
-    sequence's gathers and reduce-scatters (`raypar.runtime.profile.device_time`)."""
+    sequence's gathers and reduce-scatters (`raypar.runtime.profile.device_time`), and the
+    time two graph replays ran at once (`graph_replays`: the micro-batch overlap at work)."""
     from pathlib import Path
 
     from raypar.runtime.profile import device_time
@@ -106,10 +107,17 @@ def profile_rows(ctx: "Context", gpus: int) -> list[dict]:
             ctx.trainer(cfg, name).fit()
             traces = [Path(cfg.runtime.run_dir) / "profile" / f"rank{r}-step{PROFILED_STEP}.json" for r in range(need)]
             return {"label": name, "kind": "profile", "traces": [str(t) for t in traces],
-                    "ranks": [{"rank": r, **device_time(t)} for r, t in enumerate(traces)]}
+                    "ranks": [{"rank": r, **device_time(t), "graphs": _replays(t)} for r, t in enumerate(traces)]}
 
         rows += ctx.attempt(name, launch)
     return rows
+
+
+def _replays(trace) -> dict:
+    from raypar.runtime.profile import graph_replays
+
+    got = graph_replays(trace)
+    return {"replays": len(got["replays"]), "replay_ms": got["replay_ms"], "concurrent_ms": got["concurrent_ms"]}
 
 
 def table(rows: list[dict]) -> str:
@@ -128,10 +136,11 @@ def table(rows: list[dict]) -> str:
     if profiles:
         kinds = list(profiles[0]["ranks"][0]["by_kind"])
         lines += ["", "| profiled step | rank | span ms | busy ms | " + " | ".join(f"{k} ms" for k in kinds)
-                  + " | exposed collectives ms |", "|---|---|---|---|" + "---|" * (len(kinds) + 1)]
+                  + " | exposed collectives ms | two graph replays at once, ms |",
+                  "|---|---|---|---|" + "---|" * (len(kinds) + 2)]
         for p in profiles:
             for r in p["ranks"]:
                 by = " | ".join(f"{r['by_kind'][k]['ms']:.1f}" for k in kinds)
                 lines.append(f"| {p['label']} | {r['rank']} | {r['span_ms']:.1f} | {r['busy_ms']:.1f} | {by} | "
-                             f"{sum(r['exposed_ms'].values()):.1f} |")
+                             f"{sum(r['exposed_ms'].values()):.1f} | {r.get('graphs', {}).get('concurrent_ms', 0.0):.1f} |")
     return "\n".join(lines)

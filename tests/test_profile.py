@@ -5,7 +5,8 @@ import json
 import pytest
 
 from raypar.config import ConfigError, load_config
-from raypar.runtime.profile import PROFILER_READY, collective, device_time, exchange_waits, kernel_kind
+from raypar.runtime.profile import (PROFILER_READY, collective, device_time, exchange_waits, graph_replays,
+                                    kernel_kind)
 from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
@@ -113,3 +114,28 @@ def test_exchange_waits_match_exchanges_stream_by_stream(tmp_path):
     # Worker 0 waits 50 us for worker 1's first forward; worker 1 60 us for worker 0's backward.
     assert got[0]["peer_wait_ms"] == pytest.approx(0.05) and got[1]["peer_wait_ms"] == pytest.approx(0.06)
     assert got[0]["exchanges"] == got[1]["exchanges"] == 3
+
+
+def test_graph_replays_are_spans_of_their_launches_kernels_and_their_overlap(tmp_path):
+    """Kernels belong to the graph launch with their correlation id; eager kernels to none.
+    The second replay starts while the first runs: the time both ran is the overlap."""
+    def launch(corr, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5,
+                "args": {"correlation": corr}}
+
+    def kernel(corr, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [launch(7, 90), launch(9, 95), launch(11, 97),
+              kernel(7, 100, 50), kernel(7, 160, 40),  # replay 7: 100 .. 200
+              kernel(9, 180, 30), kernel(9, 230, 20),  # replay 9: 180 .. 250, beside 7 for 20 us
+              kernel(None, 300, 100)]  # eager; launch 11 ran nothing
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = graph_replays(trace)
+    assert [(r["start_ms"], r["end_ms"], r["kernels"]) for r in got["replays"]] == [(0.0, 0.1, 2), (0.08, 0.15, 2)]
+    assert got["replays"][0]["host_ms"] == pytest.approx(-0.01)
+    assert got["replay_ms"] == pytest.approx(0.15) and got["concurrent_ms"] == pytest.approx(0.02)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": []}))
+    assert graph_replays(empty) == {"replays": [], "replay_ms": 0.0, "concurrent_ms": 0.0}

@@ -166,6 +166,51 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
     return out
 
 
+def graph_replays(trace: Path) -> dict:
+    """A trace's CUDA graph replays: each replay's device span (its first kernel's start to
+    its last's end, ms from the trace's first kernel) and the host time of its launch, in
+    launch order (`replays`); `replay_ms`, the time some replay ran; and `concurrent_ms`,
+    the time two or more ran at once. A kernel belongs to the replay whose `cudaGraphLaunch`
+    has its correlation id.
+
+    Overlapped micro-batches (`runtime.moe_microbatch_overlap`, `runtime.tp_microbatch_overlap`)
+    should keep a forward's replay beside a backward's for most of the forward's span; a
+    short `concurrent_ms` says the streams ran one after the other (as when they shared a
+    hardware queue: docs/operations.md, `CUDA_DEVICE_MAX_CONNECTIONS`)."""
+    events = _events(trace)
+    launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
+                      if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch"
+                      and "correlation" in e.get("args", {}))
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    out: dict = {"replays": [], "replay_ms": 0.0, "concurrent_ms": 0.0}
+    if not kernels or not launches:
+        return out
+    first = min(e["ts"] for e in kernels)
+    spans: dict[int, list[float]] = {corr: [float("inf"), float("-inf"), 0] for _, corr in launches}
+    for e in kernels:
+        span = spans.get(e.get("args", {}).get("correlation"))
+        if span is not None:
+            span[0], span[1], span[2] = min(span[0], e["ts"]), max(span[1], e["ts"] + e.get("dur", 0)), span[2] + 1
+    ran = [(host, spans[corr]) for host, corr in launches if spans[corr][2]]
+    out["replays"] = [{"host_ms": (host - first) / 1000, "start_ms": (a - first) / 1000, "end_ms": (b - first) / 1000,
+                       "kernels": n} for host, (a, b, n) in ran]
+    intervals = [(a, b) for _, (a, b, _) in ran]
+    out["replay_ms"] = _union_us(intervals) / 1000
+    out["concurrent_ms"] = _covered_twice_us(intervals) / 1000
+    return out
+
+
+def _covered_twice_us(spans: list[tuple[float, float]]) -> float:
+    """The time two or more of `spans` cover at once."""
+    edges = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    total, depth, last = 0.0, 0, 0.0
+    for at, step in edges:
+        if depth >= 2:
+            total += at - last
+        depth, last = depth + step, at
+    return total
+
+
 def top_kernels(kernels: list[tuple[float, float, str]], top: int = 15, shorter: int = 90) -> list[dict]:
     """The kernels with the most device time in all: name (cut), ms and count."""
     by_name: dict[str, list[float]] = {}
