@@ -10,6 +10,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypar.config import Config
 from raypar.resources import ResourceError, WorkerResources
+from raypar.runtime.graphs import OVERLAP_HARDWARE_QUEUES
 from raypar.topology import Grid
 
 from .stage_worker import StageWorker
@@ -25,15 +26,12 @@ from .stage_worker import StageWorker
 # shared a collective with a lost one into a lost one too, so none survive to be kept.
 # Steps that ran into such an abort fail at their next collective; a snapshot is taken
 # only after a check over the world (`StageRuntime.start_snapshot`).
-# CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8): the host feeds the device through that
-# many hardware queues, and streams beyond it share them, so work on one stream waits behind
-# work queued earlier on another. A replayed graph's branches run on streams of their own
-# (an MoE backward graph at ep=2, 17), so the forward replayed beside a backward on the other
-# micro-batch stream waited behind part of it: 13 ms of a 23 ms backward at ep=2 on 2 x H200.
-# With 32 the MoE step ran 1.04x the tokens/s (BENCHMARKS.md, eleventh session).
+# CUDA_DEVICE_MAX_CONNECTIONS: the hardware queues overlapped micro-batches need
+# (`OVERLAP_HARDWARE_QUEUES`, raypar/runtime/graphs.py; CUDA's default, 8, serialised them:
+# a forward waited 13 ms of a 23 ms MoE backward it was to run beside, on 2 x H200).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUDA_MODULE_LOADING": "EAGER", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-           "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+           "CUDA_DEVICE_MAX_CONNECTIONS": str(OVERLAP_HARDWARE_QUEUES)}
 
 
 def gpu_env() -> dict[str, str]:

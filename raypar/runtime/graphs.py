@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -122,6 +122,31 @@ def wants_backward_groups(cfg: Config, grid: Grid, backend: str) -> bool:
     have a communicator of their own."""
     return (backend == "nccl" and cfg.runtime.cuda_graphs and grid.pp == 1
             and overlap_wanted(cfg, grid, cfg.model.n_experts > 0))
+
+
+# Hardware queues (CUDA_DEVICE_MAX_CONNECTIONS; CUDA's default is 8) a process needs for its
+# micro-batches to overlap. A replayed graph runs its branches on streams of its own (an MoE
+# backward graph at ep=2 on 17), and streams beyond the queues share them: with 8, a forward
+# waited behind the backward it was to run beside (docs/operations.md). GPU workers start
+# with this many (`actors/placement.py`).
+OVERLAP_HARDWARE_QUEUES = 32
+
+
+def few_hardware_queues(environ: Mapping[str, str]) -> str | None:
+    """Why micro-batches overlapped in a process with this environment would mostly run one
+    after another (too few hardware queues), or None."""
+    value = environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    try:
+        queues = int(value) if value else 8
+    except ValueError:
+        queues = 8  # CUDA ignores what it cannot read
+    if queues >= OVERLAP_HARDWARE_QUEUES:
+        return None
+    setting = f"CUDA_DEVICE_MAX_CONNECTIONS={value}" if value else "CUDA_DEVICE_MAX_CONNECTIONS unset (8)"
+    return (f"{setting} in this worker: its streams share {queues} hardware queue(s), so a forward waits behind the "
+            f"backward it should run beside (on 2 x H200, MoE at ep=2 ran 1.04x the tokens/s with 32 than with 8). "
+            f"raypar starts GPU workers with {OVERLAP_HARDWARE_QUEUES} unless the driver's environment sets the "
+            f"variable: unset it there, or set it to {OVERLAP_HARDWARE_QUEUES}")
 
 
 class MicroBatchStreams:

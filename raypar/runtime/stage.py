@@ -10,6 +10,7 @@ stage worker actor wraps it.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -37,8 +38,9 @@ from raypar.sharded_optimizer import ShardedOptimizer
 from raypar.runtime.clock import StepClock
 from raypar.runtime.comm import (CollectiveTimeout, all_reduce_, check_world,
                                  queue_world_check, world_check_failed)
-from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, graph_key, graphs_blocked,
-                                   live_microbatches, overlap_blocked, overlap_switches, overlap_wanted)
+from raypar.runtime.graphs import (GraphCaptureError, MicroBatchGraph, MicroBatchStreams, few_hardware_queues,
+                                   graph_key, graphs_blocked, live_microbatches, overlap_blocked, overlap_switches,
+                                   overlap_wanted)
 from raypar.runtime.groups import StageGroups
 from raypar.runtime.memory import ActivationTracker
 from raypar.runtime.p2p import Inflight, connect_channels
@@ -257,7 +259,12 @@ class StageRuntime:
         self.overlap_blocked = self.graphs_blocked or overlap_blocked(
             self.cfg, self.grid, bool(self.moe_layers), self.program, self._has_backward_groups())
         if self.overlap_blocked is None:
-            self._streams = self._streams or MicroBatchStreams()
+            if self._streams is None:
+                self._streams = MicroBatchStreams()
+                few = few_hardware_queues(os.environ)
+                if few:
+                    print(f"stage {self.stage} rank {self.rank}: micro-batches replay beside each other, but {few}",
+                          file=sys.stderr, flush=True)
         else:
             self._join()
             self._streams = None
