@@ -39,7 +39,7 @@ PROFILED_STEP = 6
 def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
-    from raypar.runtime.profile import device_time, exchange_waits, graph_replays
+    from raypar.runtime.profile import device_time, exchange_waits, replay_overlap
 
     run_dir = work / kind
     common = [f"train.steps={steps}", f"runtime.run_dir={run_dir}", "runtime.log_every=100"]
@@ -69,9 +69,7 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
                            "exposed_ms": w["exposed_ms"], "top_kernels": w["top_kernels"],
                            "by_kind": {k: round(v["ms"], 1) for k, v in w["by_kind"].items()}} for w in workers]
         for w, trace in zip(out["workers"], traces):
-            replays = graph_replays(trace)
-            w["graphs"] = {"replays": len(replays["replays"]), "replay_ms": replays["replay_ms"],
-                           "concurrent_ms": replays["concurrent_ms"]}
+            w["graphs"] = replay_overlap(trace)
         if not kind.startswith("dense"):
             shares = [w["exposed_ms"].get("SendRecv", 0.0) / w["span_ms"] for w in workers]
             out["exposed_alltoall_share"] = max(shares)

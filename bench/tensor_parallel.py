@@ -90,10 +90,10 @@ def profile_rows(ctx: "Context", gpus: int) -> list[dict]:
     another) and tp=2 with sequence parallelism, with step PROFILED_STEP under torch.profiler:
     each tp rank's kernel time by kind and its exposed collectives, all-reduces or the
     sequence's gathers and reduce-scatters (`raypar.runtime.profile.device_time`), and the
-    time two graph replays ran at once (`graph_replays`: the micro-batch overlap at work)."""
+    time two graph replays ran at once (`replay_overlap`: the micro-batch overlap at work)."""
     from pathlib import Path
 
-    from raypar.runtime.profile import device_time
+    from raypar.runtime.profile import device_time, replay_overlap
 
     rows: list[dict] = []
     for label, need, overrides in (row for row in ROWS if row[0] in PROFILED):
@@ -107,17 +107,10 @@ def profile_rows(ctx: "Context", gpus: int) -> list[dict]:
             ctx.trainer(cfg, name).fit()
             traces = [Path(cfg.runtime.run_dir) / "profile" / f"rank{r}-step{PROFILED_STEP}.json" for r in range(need)]
             return {"label": name, "kind": "profile", "traces": [str(t) for t in traces],
-                    "ranks": [{"rank": r, **device_time(t), "graphs": _replays(t)} for r, t in enumerate(traces)]}
+                    "ranks": [{"rank": r, **device_time(t), "graphs": replay_overlap(t)} for r, t in enumerate(traces)]}
 
         rows += ctx.attempt(name, launch)
     return rows
-
-
-def _replays(trace) -> dict:
-    from raypar.runtime.profile import graph_replays
-
-    got = graph_replays(trace)
-    return {"replays": len(got["replays"]), "replay_ms": got["replay_ms"], "concurrent_ms": got["concurrent_ms"]}
 
 
 def table(rows: list[dict]) -> str:

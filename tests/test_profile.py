@@ -6,7 +6,7 @@ import pytest
 
 from raypar.config import ConfigError, load_config
 from raypar.runtime.profile import (PROFILER_READY, collective, device_time, exchange_waits, graph_replays,
-                                    kernel_kind)
+                                    kernel_kind, replay_overlap)
 from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
@@ -136,6 +136,7 @@ def test_graph_replays_are_spans_of_their_launches_kernels_and_their_overlap(tmp
     assert [(r["start_ms"], r["end_ms"], r["kernels"]) for r in got["replays"]] == [(0.0, 0.1, 2), (0.08, 0.15, 2)]
     assert got["replays"][0]["host_ms"] == pytest.approx(-0.01)
     assert got["replay_ms"] == pytest.approx(0.15) and got["concurrent_ms"] == pytest.approx(0.02)
+    assert replay_overlap(trace) == {"replays": 2, "replay_ms": got["replay_ms"], "concurrent_ms": got["concurrent_ms"]}
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": []}))
     assert graph_replays(empty) == {"replays": [], "replay_ms": 0.0, "concurrent_ms": 0.0}

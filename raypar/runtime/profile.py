@@ -200,6 +200,12 @@ def graph_replays(trace: Path) -> dict:
     return out
 
 
+def replay_overlap(trace: Path) -> dict:
+    """`graph_replays` in short: how many replays, the time some ran, the time two ran at once."""
+    got = graph_replays(trace)
+    return {"replays": len(got["replays"]), "replay_ms": got["replay_ms"], "concurrent_ms": got["concurrent_ms"]}
+
+
 def _covered_twice_us(spans: list[tuple[float, float]]) -> float:
     """The time two or more of `spans` cover at once."""
     edges = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
