@@ -483,6 +483,10 @@ class StageWorker:
     def load_parameters(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         return self.runtime.load_parameters(tensors)
 
+    def set_expert_biases(self, biases: dict[str, list[float]]) -> None:
+        """The MoE layers' routing biases for the next step (`StageRuntime.set_expert_biases`)."""
+        self.runtime.set_expert_biases(biases)
+
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters_cpu()
 

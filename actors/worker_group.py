@@ -227,6 +227,11 @@ class WorkerGroup:
         ref = ray.put(tensors)
         ray.get([w.load_parameters.remote(ref) for w in self.workers])
 
+    def set_expert_biases(self, biases: dict[str, list[float]]) -> None:
+        """Every worker's MoE routing biases (by layer id) for the next step it runs."""
+        self.get([w.set_expert_biases.remote(biases) for w in self.workers], self.cfg.runtime.step_timeout_s,
+                 "setting the expert biases")
+
     def parameters(self) -> dict:
         merged: dict = {}
         # Replicas hold equal copies; take each name from its first holder.

@@ -5,7 +5,7 @@ all-to-alls (no host wait) against exact split sizes, and how much of an MoE ste
 all-to-all leaves exposed.
 
     python -m bench.moe_speed --out DIR [--rounds 2] [--steps 10] [--baseline TREE]
-        [--kinds dense,moe-kernels-on,...] [--variant LABEL=KEY=VALUE[,KEY=VALUE]]...
+        [--kinds dense,moe-kernels-on,...] [--variant LABEL=KEY=VALUE[,KEY=VALUE]]... [--profile-step N]
 
 Every launch is its own process (a fresh Ray, fresh workers): one round is a dense launch
 and a launch of each other kind asked for (`--kinds`), whose order reverses between rounds. With `--baseline TREE` each round also launches the kernels-on
@@ -18,7 +18,8 @@ pipeline transfers share that name) run while no compute kernel does, as a share
 worker's step on the device; "of it, transfer" leaves out the time a worker waited for its
 peer to enter each exchange (`runtime.profile.exchange_waits`: the workers' traces share
 one host's clock); "on the busiest worker" is the share on the worker with the most compute,
-whose step the other waits for. Each launch also says how long two graph replays ran at once
+whose step the other waits for; "busier worker's rows" is that step's routed rows on the
+worker that got more, over all layers, as a multiple of an even share. Each launch also says how long two graph replays ran at once
 (`runtime.profile.graph_replays`): the micro-batch overlap at work. Writes DIR/moe_speed.json and DIR/moe_speed.md.
 """
 from __future__ import annotations
@@ -36,9 +37,10 @@ KINDS = ["dense", "dense-eager", "moe-kernels-on", "moe-eager", "moe-kernels-off
 PROFILED_STEP = 6
 
 
-def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict:
+def launch(kind: str, steps: int, work: Path, overrides: list[str] = (), profiled: int = PROFILED_STEP) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
+    from raypar.expert_placement import identity, loads_by_layer
     from raypar.runtime.profile import device_time, exchange_waits, replay_overlap
 
     run_dir = work / kind
@@ -46,23 +48,29 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
     eager = ["runtime.cuda_graphs=false"] if kind.endswith("-eager") else []
     if kind.startswith("dense"):
         cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
-                          [*common, *eager, f"runtime.profile_step={PROFILED_STEP}"])
+                          [*common, *eager, f"runtime.profile_step={profiled}"])
     else:
         kernels = "false" if kind == "moe-kernels-off" else "true"
         alltoall = "exact" if kind == "moe-exact" else "padded"
         cfg = load_config(str(ROOT / "configs" / "moe-scale.yaml"),
                           [*MOE, *common, f"runtime.kernels={kernels}", f"runtime.moe_alltoall={alltoall}",
-                           f"runtime.profile_step={PROFILED_STEP}", *eager, *overrides])
+                           f"runtime.profile_step={profiled}", *eager, *overrides])
     s = Trainer(cfg, log=lambda m: None).fit()
     # The profiler starts at the end of the step before the profiled one and stops in the
     # profiled one: leave out the three steps its work slows.
-    steady = [r for r in s.records[1:] if r.step not in range(PROFILED_STEP - 1, PROFILED_STEP + 2)]
+    steady = [r for r in s.records[1:] if r.step not in range(profiled - 1, profiled + 2)]
     step_s = statistics.median(r.step_time_s for r in steady)
     out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
            "step_ms": step_s * 1000, "steps_ms": [round(r.step_time_s * 1000) for r in s.records],
            "mfu": statistics.median(r.mfu for r in steady), "alltoall_host_ms": s.alltoall_s_per_step * 1000,
-           "losses": [r.loss for r in s.records], "expert_moves": s.expert_moves}
-    traces = sorted((run_dir / "profile").glob(f"rank*-step{PROFILED_STEP}.json"))
+           "losses": [r.loss for r in s.records], "expert_moves": s.expert_moves, "profiled_step": profiled}
+    if cfg.model.n_experts and not s.expert_moves:
+        # Each worker's routed rows over the step's layers, as a multiple of an even share: the
+        # compute that one worker's exchanges wait for when the other got fewer.
+        placement = cfg.parallel.expert_placement or identity(cfg.model)
+        out["worker_rows_by_step"] = {str(r.step): worker_shares(placement, loads_by_layer(cfg.model, r.expert_tokens),
+                                                                 cfg.parallel.ep) for r in s.records}
+    traces = sorted((run_dir / "profile").glob(f"rank*-step{profiled}.json"))
     if traces:
         workers = [device_time(t) for t in traces]
         out["workers"] = [{"span_ms": w["span_ms"], "busy_ms": w["busy_ms"], "compute_busy_ms": w["compute_busy_ms"],
@@ -90,11 +98,22 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = ()) -> dict
     return out
 
 
+def worker_shares(placement: list[list[int]], loads: list[list[int]], ep: int) -> list[float]:
+    """Each of `ep` workers' rows over all layers, divided by an even share of them."""
+    from raypar.expert_placement import worker_loads
+
+    totals = [sum(w) for w in zip(*(worker_loads(order, layer, ep) for order, layer in zip(placement, loads)))]
+    even = sum(totals) / ep if totals else 0
+    return [round(t / even, 4) for t in totals] if even else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile-step", type=int, default=PROFILED_STEP,
+                    help="the step each launch profiles (leaves out it and the steps either side)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moe-speed"))
     ap.add_argument("--baseline", type=Path, help="another checkout whose kernels-on MoE run each round also launches")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"which of {','.join(KINDS)} each round launches")
@@ -105,7 +124,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.launch:
         overrides = [o for o in args.overrides.split(",") if o]
-        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, overrides)), flush=True)
+        print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, overrides, args.profile_step)),
+              flush=True)
         return
     variants = dict(v.split("=", 1) for v in args.variant)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +139,7 @@ def main() -> None:
             res = {**run_launch(["-m", "bench.moe_speed", "--out", str(args.out),
                                  "--launch", "moe-kernels-on" if kind == "moe-baseline" or kind in variants else kind,
                                  *(["--overrides", variants[kind]] if kind in variants else []),
-                                 "--steps", str(args.steps), "--work", str(args.work / f"round{r}" / kind)],
+                                 "--steps", str(args.steps), "--profile-step", str(args.profile_step), "--work", str(args.work / f"round{r}" / kind)],
                                 tree, f"{kind} of round {r}"), "round": r, "kind": kind}
             results.append(res)
             print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "
@@ -132,7 +152,7 @@ def main() -> None:
 def table(results: list[dict]) -> str:
     """Each launch's figures, then the ratios of launches of the same round."""
     lines = ["| round | run | tokens/s | step (ms) | MFU | MFU / dense | exposed all-to-all | of it, transfer "
-             "| on the busiest worker |", "|---|---|---|---|---|---|---|---|---|"]
+             "| on the busiest worker | busier worker's rows |", "|---|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for r in sorted({x["round"] for x in results}):
         got = {x["kind"]: x for x in results if x["round"] == r}
@@ -142,8 +162,10 @@ def table(results: list[dict]) -> str:
             exposed = f"{x['exposed_alltoall_share']:.1%}" if "exposed_alltoall_share" in x else ""
             transfer = f"{x['exposed_transfer_share']:.1%}" if "exposed_transfer_share" in x else ""
             busiest = f"{x['exposed_alltoall_share_busiest']:.1%}" if "exposed_alltoall_share_busiest" in x else ""
+            shares = x.get("worker_rows_by_step", {}).get(str(x.get("profiled_step", PROFILED_STEP)))
+            rows = f"{max(shares):.3f}x" if shares else ""
             lines.append(f"| {r + 1} | {kind} | {x['tokens_per_s']:,.0f} | {x['step_ms']:.0f} | {x['mfu']:.3f} | {rel} | "
-                         f"{exposed} | {transfer} | {busiest} |")
+                         f"{exposed} | {transfer} | {busiest} | {rows} |")
         on = got.get("moe-kernels-on")
         for label, mine, other in [("dense, CUDA graphs on / off", "dense", "dense-eager"),
                                    ("MoE, CUDA graphs on / off", "moe-kernels-on", "moe-eager"),

@@ -49,6 +49,11 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01  # weight of the per-sequence load-balancing loss
     moe_z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp)
     moe_capacity_factor: float = 0.0  # 0: dropless; else per-sample capacity, extra tokens dropped
+    # Balancing without a loss (DeepSeek-V3's expert bias): each expert's bias is added to
+    # its router probability when the top-k are chosen (not to the weights), and after each
+    # step moves this much towards an even load: up where the expert received fewer rows
+    # than the mean of the step, down where more. 0: no bias.
+    moe_bias_update_rate: float = 0.0
     # A Hugging Face folder (Llama or Mixtral, safetensors) whose weights replace the
     # random initialisation; its config.json must match this model.
     init_from: str | None = None
@@ -587,6 +592,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.n_experts < 0 or m.moe_every < 1 or m.moe_capacity_factor < 0 or m.moe_aux_loss_coef < 0 or m.moe_z_loss_coef < 0:
         raise ConfigError("model.n_experts, moe_aux_loss_coef, moe_z_loss_coef and moe_capacity_factor must be >= 0, moe_every >= 1")
+    if m.moe_bias_update_rate < 0 or (m.moe_bias_update_rate > 0 and m.n_experts == 0):
+        raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} must be >= 0, and above 0 only with "
+                          f"experts (model.n_experts={m.n_experts}); e.g. 0.001 with model.n_experts=8")
     if p.rebalance_experts_every < 0 or p.rebalance_experts_every == 1:
         raise ConfigError(f"parallel.rebalance_experts_every={p.rebalance_experts_every} must be 0 (never) or at least "
                           f"2: a move is checked on the second half of the steps since the last look")

@@ -3,12 +3,14 @@ import pytest
 import ray
 import torch
 
-from raypar.checkpoint import CheckpointReader, checkpoint_dir, latest, list_committed
+from raypar.checkpoint import CheckpointReader, checkpoint_dir, latest, list_committed, read_manifest
 from raypar.driver.trainer import Trainer
 
 from helpers import run_config
 
-MOE = {"n_layers": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01}
+# With routing biases that move each step (model.moe_bias_update_rate): a resumed run routes
+# as the uninterrupted one only with the biases its checkpoint names.
+MOE = {"n_layers": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01, "moe_bias_update_rate": 0.02}
 
 
 def config(tmp_path, name, grid=(1, 2, 1), steps=10, every=5, model=None, **checkpoint):
@@ -54,6 +56,8 @@ def moe_source(ray_session, tmp_path_factory):
 def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data, target, moe_source):
     source_dir, source = moe_source
     saved = checkpoint_dir(source_dir / "source" / "ckpt", 3)
+    biases = read_manifest(saved).extra["expert_biases"]
+    assert sorted(biases, key=int) == ["0", "1", "2", "3"] and any(any(v) for v in biases.values())
     moved = Trainer(config(tmp_path, "target", grid=target, steps=6, every=3, model=MOE, resume=str(saved))).fit()
     assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in source.records[3:]], rel=1e-5)
     a, b = weights(latest(source_dir / "source" / "ckpt")), weights(latest(tmp_path / "target" / "ckpt"))

@@ -18,7 +18,9 @@ from raypar.driver.trainer import Trainer
 from actors.placement import slot_key
 from helpers import KillWorker, last_loss_per_step, run_config
 
-MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2}
+# Routing biases that move each step (model.moe_bias_update_rate): a run restored from memory
+# routes as the uninterrupted one only with the biases the driver kept for that step.
+MOE = {"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_bias_update_rate": 0.02}
 ROOT = Path(__file__).resolve().parent.parent
 
 

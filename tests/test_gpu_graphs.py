@@ -64,8 +64,9 @@ def _steps(cfg, tmp_path, plan):
         group.shutdown()
 
 
-def _moe_config(tmp_path, dtype, top_k, graphs=True, overlap=True):
-    return tiny_config(tmp_path, model={**MOE, "moe_top_k": top_k, "moe_ffn_dim": 64, "dropout": 0.1, "dtype": dtype},
+def _moe_config(tmp_path, dtype, top_k, graphs=True, overlap=True, **model):
+    return tiny_config(tmp_path, model={**MOE, "moe_top_k": top_k, "moe_ffn_dim": 64, "dropout": 0.1, "dtype": dtype,
+                                        **model},
                        parallel={"dp": 1, "pp": 1, "ep": 2, "microbatches": 4},
                        train={"global_batch_size": 16, "eps": ADAM_EPS},
                        runtime={"device": "cuda", "collective_timeout_s": 30.0, "cuda_graphs": graphs,
@@ -95,6 +96,23 @@ def test_graphed_bf16_moe_at_ep2_equals_eager(ray_session, tmp_path, top_k):
         for r, e in zip(reports, eager_reports):
             assert {k: sum(v) for k, v in r.expert_tokens.items()} == {"0": tokens_per_rank, "1": tokens_per_rank}
             assert r.alltoall_bytes == e.alltoall_bytes > 0, where
+    for name, w in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
+
+
+def test_graphed_moe_routes_with_the_biases_the_workers_move(ray_session, tmp_path):
+    """model.moe_bias_update_rate on graphed bf16 MoE at ep=2: the replayed graphs route with
+    the biases the workers move in place after each step (counts summed over NCCL), as the
+    eager run does; the same steps without biases give other losses."""
+    _need_gpus(2)
+    plan = [("1f1b", 4)] * 5
+    graphed, graphed_weights = _steps(_moe_config(tmp_path / "graphs", "bfloat16", 2, moe_bias_update_rate=0.05),
+                                      tmp_path / "graphs", plan)
+    eager, eager_weights = _steps(_moe_config(tmp_path / "eager", "bfloat16", 2, graphs=False,
+                                              moe_bias_update_rate=0.05), tmp_path / "eager", plan)
+    plain, _ = _steps(_moe_config(tmp_path / "plain", "bfloat16", 2, graphs=False), tmp_path / "plain", plan)
+    assert [loss for loss, _, _ in graphed] == pytest.approx([loss for loss, _, _ in eager], rel=1e-3)
+    assert [loss for loss, _, _ in plain] != pytest.approx([loss for loss, _, _ in eager], rel=1e-3)
     for name, w in eager_weights.items():
         torch.testing.assert_close(graphed_weights[name], w, rtol=2e-2, atol=1e-3)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from raypar.config import ModelConfig
+from raypar.model.moe import MoE
 from raypar.model.partition import balanced_halves, layer_parts, stage_halves, stage_sizes
 from raypar.model import (
     PartitionError,
@@ -214,6 +215,20 @@ def test_recompute_matches_and_reports_block_inputs():
     with torch.no_grad():
         rec(x)
     assert seen == []
+
+
+def test_recompute_counts_each_routed_row_once():
+    """The MoE counters (the reports' expert_tokens, the expert biases' counts) see a forward
+    recomputed in the backward as the rows it already counted."""
+    cfg = tiny(n_experts=4, moe_top_k=2)
+    x, y = tokens(cfg)
+    counts = []
+    for recompute in (False, True):
+        model = full_model(cfg, seed=2)
+        model.recompute = recompute
+        model(x, labels=y).backward()
+        counts.append([m.stats.routed.tolist() for m in model.modules() if isinstance(m, MoE)])
+    assert counts[0] == counts[1] and all(sum(c) == B * T * 2 for c in counts[0])
 
 
 def test_recompute_on_middle_stage():

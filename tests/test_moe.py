@@ -123,3 +123,24 @@ def test_same_losses_on_one_worker_and_on_eight(ray_session, tmp_path):
 def test_invalid_grids_say_what_would_work(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("grid", [(1, 2, 2), (2, 1, 2)], ids=lambda g: "x".join(map(str, g)))
+def test_expert_biases_move_as_in_the_single_process_run(ray_session, tmp_path, grid):
+    """model.moe_bias_update_rate: every replica's workers move the biases by the rows of the
+    whole step, as the reference does; a bias that moved otherwise routes otherwise."""
+    cfg = moe_config(tmp_path, grid, 2, moe_bias_update_rate=0.05)
+    history = run_against_reference(cfg, tmp_path, PLAN[:4])
+    ref = history[-1][2]
+    assert torch.stack([m.expert_bias for m in ref.moe_layers]).sum(dim=-1).abs().max() < 1e-12
+    # The same steps without biases: their losses differ once a bias has changed a choice.
+    unbiased = ReferenceTrainer(moe_config(tmp_path / "unbiased", grid, 2))
+    dataset = synthetic_data(tmp_path, cfg)
+    order = SampleOrder(len(dataset), seed=cfg.train.seed)
+    gbs = cfg.train.global_batch_size
+    losses = []
+    for step in range(len(history)):
+        batch = order.indices(step * gbs, gbs)
+        tokens, labels = dataset.get(batch)
+        losses.append(unbiased.step(step, tokens, labels, sample_ids=batch)[0])
+    assert losses != pytest.approx([loss for loss, _, _ in history], rel=1e-6), "the biases changed no routing"

@@ -35,6 +35,7 @@ from raypar.driver.callbacks import Callback
 from raypar.driver.cut_move import move_on_devices, move_through_checkpoint, room_on_devices
 from raypar.driver.event_log import EventLog
 from raypar.driver.expert_balance import ExpertBalance
+from raypar.driver.expert_bias import MANIFEST_KEY as EXPERT_BIASES, ExpertBiases
 from raypar.driver.policies import Decision, FailurePolicy, Plan, grow_plan, plan_grid, with_plan, worker_slots
 from raypar.driver.progress import Progress, write_status
 from raypar.driver.records import Recovery, RunSummary, StepRecord, step_record, summarise
@@ -91,7 +92,9 @@ class Controller:
         self.log = log
         self.owner = owner
         self.run_dir = Path(cfg.runtime.run_dir).resolve()
-        self.saver = Saver(cfg, self.run_dir, log, on_result=lambda r: self._notify("on_checkpoint", r))
+        self.expert_biases = ExpertBiases(cfg.model, log)  # model.moe_bias_update_rate
+        self.saver = Saver(cfg, self.run_dir, log, on_result=lambda r: self._notify("on_checkpoint", r),
+                           run_state=self.expert_biases.saved)
         self.failures = FailurePolicy(cfg.elastic)
         self.states = StateMachine(on_change=self._state_changed)
         self.group: WorkerGroup | None = None
@@ -188,6 +191,7 @@ class Controller:
                             source = "storage" if path is not None else "start"
                             self.resumed = self.saver.resume(path, self.cfg, self.grid,
                                                              fall_back=resume == "latest")
+                        self.expert_biases.start(self.resumed.step, self.resumed.extra.get(EXPERT_BIASES))
                         self.states.to(State.RUNNING)
                         if self._recovery is not None:
                             self._recovery.resumed(str(self.grid), self.resumed.step, workers_s=t1 - t0,
@@ -234,13 +238,16 @@ class Controller:
         inflight: deque[InFlightStep] = deque()
         next_step, next_consumed = start, consumed
         grow_to: Plan | None = None
+        self._send_expert_biases(start)
         while True:
             if self.run_schedule.due and not inflight and grow_to is None and not self._stop \
                     and next_step < self.cfg.train.steps:
                 self._change_schedule(next_step, next_consumed)
+                self._send_expert_biases(next_step)  # the workers' stages may be new
             if self.expert_balance.due(self.cfg, self.grid, next_step) and not inflight and grow_to is None \
                     and not self._stop:
                 self._rebalance_experts(next_step, next_consumed)
+                self._send_expert_biases(next_step)
             while (grow_to is None and not self._stop and next_step < self.cfg.train.steps
                    and len(inflight) <= self.cfg.runtime.steps_ahead and self._may_issue(next_step, inflight)):
                 inflight.append(self._issue(next_step, next_consumed, order))
@@ -271,6 +278,12 @@ class Controller:
         if grow_to is None:
             self.saver.finish()
         return consumed, grow_to
+
+    def _send_expert_biases(self, steps_done: int) -> None:
+        """Before the workers run the step after `steps_done` steps, with nothing in flight:
+        the expert biases that step routes with (they move them on from there)."""
+        if self.expert_biases.enabled:
+            self.group.set_expert_biases(self.expert_biases.at(steps_done))
 
     def _may_issue(self, step: int, inflight: deque[InFlightStep]) -> bool:
         """Whether `step` may be sent behind the steps in flight.
@@ -354,6 +367,7 @@ class Controller:
         """
         step = record.step
         t0 = time.perf_counter()
+        self.expert_biases.observe(record)  # before a save of the state after this step
         if sent.save:
             self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:
@@ -365,6 +379,7 @@ class Controller:
             # steps old: a copy is skipped while the last one is still being sent.
             for old in sorted(self._memory_steps)[:-MEMORY_STEPS_KEPT]:
                 del self._memory_steps[old]
+        self.expert_biases.forget_before(min(self._memory_steps, default=step + 1))
         record.checkpoint_stall_s += sent.stall + (0.0 if overlapped else time.perf_counter() - t0)
         records.append(record)
         self.expert_balance.observe(record)

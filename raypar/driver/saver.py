@@ -8,7 +8,7 @@ writers write, and the commit lands later; the driver only polls. The worker gro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -46,11 +46,12 @@ def _root(directory: str | None, run_dir: Path) -> Location:
     return directory if is_uri(directory) else Path(directory).expanduser().resolve()
 
 
-def _meta(consumed: int, cfg: Config, grid: Grid) -> dict:
-    """What a checkpoint's manifest says beside its tensors."""
+def _meta(consumed: int, cfg: Config, grid: Grid, run_state: dict) -> dict:
+    """What a checkpoint's manifest says beside its tensors; `run_state`: what the driver
+    keeps of the run besides the workers' tensors (the MoE expert biases)."""
     return {"consumed_samples": consumed, "config": cfg.to_dict(),
             "topology": {"dp": grid.dp, "pp": grid.pp, "ep": grid.ep, "tp": grid.tp},
-            "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)"}}
+            "extra": {"schedule": "lr is a function of the step (raypar.optim.lr_at)", **run_state}}
 
 
 class ModelMismatchError(CheckpointError):
@@ -66,11 +67,15 @@ class Resumed:
     path: Location | None  # None: from step 0, nothing loaded
     loaded: list[dict]  # per worker: rank and bytes read
     load_s: float = 0.0  # reading the manifest and every worker's share
+    extra: dict = field(default_factory=dict)  # the manifest's `extra` (what the driver keeps of the run)
 
 
 class Saver:
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None],
-                 on_result: Callable[[SaveResult], object] = lambda r: None):
+                 on_result: Callable[[SaveResult], object] = lambda r: None,
+                 run_state: Callable[[int], dict] = lambda steps_done: {}):
+        """`run_state(steps_done)`: what a checkpoint's manifest adds to its `extra` (`_meta`)."""
+        self.run_state = run_state
         self.policy = SavePolicy(cfg.checkpoint, cfg.train.steps)
         self.timeout_s = cfg.checkpoint.timeout_s
         self.when_busy = cfg.checkpoint.when_busy
@@ -135,7 +140,7 @@ class Saver:
             return
         # Partial directories of failed saves go; the one about to be written stays.
         self._workers.clean_before(str(self.root), str(checkpoint_dir(self.root, steps_done)))
-        ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid))
+        ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid, self.run_state(steps_done)))
         self._pending = (steps_done, ref, time.perf_counter())
 
     def save_scratch(self, steps_done: int, consumed: int, cfg: Config, grid: Grid, scratch: str) -> SaveResult:
@@ -151,7 +156,8 @@ class Saver:
         try:
             self._workers.wait_writers(self.timeout_s)
             self.snapshot(steps_done - 1)
-            ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid), scratch=scratch)
+            ref = self._workers.save(str(self.root), steps_done, _meta(consumed, cfg, grid, self.run_state(steps_done)),
+                                     scratch=scratch)
             r = ray.get(ref, timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - the caller saves to storage instead, or recovers
             return SaveResult(steps_done, None, 0, 0.0, time.perf_counter() - t0, error=repr(e)[:500])
@@ -302,9 +308,9 @@ class Saver:
         manifest = read_manifest(path)
         saved_model = manifest.config.get("model", {})
         current = cfg.to_dict()["model"]
-        # The dtype and the initial weights may differ; the shapes may not.
+        # The dtype, the initial weights and how routing is balanced may differ; the shapes may not.
         changed = {k: (saved_model.get(k), v) for k, v in current.items()
-                   if k not in ("dtype", "init_from") and saved_model.get(k) != v}
+                   if k not in ("dtype", "init_from", "moe_bias_update_rate") and saved_model.get(k) != v}
         if changed:
             raise ModelMismatchError(
                 f"{path} was written for another model: "
@@ -314,4 +320,5 @@ class Saver:
         loaded = self._workers.load(str(path), same_grid={"tp": 1, **manifest.topology} == topology)
         self.log(f"raypar: resumed from {path} (step {manifest.step}, {manifest.consumed_samples} samples consumed, "
                  f"saved on grid {manifest.topology})")
-        return Resumed(manifest.step, manifest.consumed_samples, path, loaded, time.perf_counter() - t0)
+        return Resumed(manifest.step, manifest.consumed_samples, path, loaded, time.perf_counter() - t0,
+                       extra=manifest.extra)

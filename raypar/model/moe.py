@@ -98,18 +98,23 @@ class _AttachAuxLoss(torch.autograd.Function):
         return g, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=g.device), None
 
 
-def route(logits: Tensor, top_k: int, capacity_factor: float, z_loss: bool = True):
+def route(logits: Tensor, top_k: int, capacity_factor: float, z_loss: bool = True, bias: Tensor | None = None):
     """Top-k routing for logits [b, t, E] (fp32).
 
     Returns weights [b, t, k], expert ids [b, t, k], keep mask [b, t, k], the
     load-balancing loss and the z-loss (0 without `z_loss`: logsumexp costs more host
     time than the rest of the router). The capacity is per sample and expert,
     ceil(capacity_factor * t * k / E); first choices take precedence over second ones,
-    earlier tokens over later ones.
+    earlier tokens over later ones. `bias` [E] (`update_expert_bias`) moves which experts
+    are chosen, not their weights.
     """
     b, t, n_experts = logits.shape
     probs = logits.softmax(dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
+    if bias is None:
+        weights, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs + bias.to(probs.dtype)).topk(top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
     if top_k > 1:
         # Mixtral-style: the chosen experts' weights sum to one. With one expert that would
         # be a constant 1 and the router would learn nothing from the loss (Switch keeps p).
@@ -169,12 +174,19 @@ class MoE(nn.Module):
         self.chunks = 1  # pieces of a padded exchange that overlap (runtime.moe_chunks)
         self.aux_scale = 1.0  # d(step loss) / d(this micro-batch's loss), set by the runtime
         self.stats = MoEStats()
+        # model.moe_bias_update_rate: the experts' routing biases, moved after each step by the
+        # runtime (`update_expert_bias`); run state the driver keeps, not a parameter.
+        self.bias_rate = cfg.moe_bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float64, device=self.slot_of.device),
+                             persistent=False)
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         slot_of = [0] * self.n_experts
         for slot, expert in enumerate(self.slot_experts):
             slot_of[expert] = slot
         self.slot_of = torch.tensor(slot_of, dtype=torch.int64, device=device or self.slot_of.device)
+        if hasattr(self, "expert_bias"):  # not yet while __init__ runs; a fresh build's biases are zero
+            self.expert_bias = torch.zeros(self.n_experts, dtype=torch.float64, device=self.slot_of.device)
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp
@@ -190,7 +202,8 @@ class MoE(nn.Module):
         b, t, d = x.shape
         n, k = b * t * self.top_k, self.top_k
         logits = self.router(x).float()
-        weights, experts, keep, aux, z = route(logits, k, self.capacity_factor, z_loss=self.z_coef > 0)
+        weights, experts, keep, aux, z = route(logits, k, self.capacity_factor, z_loss=self.z_coef > 0,
+                                               bias=self.expert_bias if self.bias_rate > 0 else None)
         expert, weight = experts.flatten(), weights.flatten()
         routed = _count(expert, self.n_experts)
         if self.placed:
@@ -198,13 +211,18 @@ class MoE(nn.Module):
             expert = self.slot_of[expert]
         # Slots the capacity dropped sort after all others (as expert n_experts), so every
         # size below is known on the host without reading the device.
+        # A forward recomputed in the backward (runtime.recompute) routes the same rows again:
+        # the step has counted them.
+        counted = torch._C._current_graph_task_id() != -1
         if self.capacity_factor > 0:
-            self.stats.add(routed, (~keep).sum())
+            if not counted:
+                self.stats.add(routed, (~keep).sum())
             expert = torch.where(keep.flatten(), expert, self.n_experts)
             weight = torch.where(keep.flatten(), weight, 0.0)  # no gradient to the router through a drop
             counts = None
         else:
-            self.stats.add(routed, None)
+            if not counted:
+                self.stats.add(routed, None)
             counts = _count(expert, self.n_experts) if self.placed else routed
         if self.ep_size > 1 and self.padded_alltoall:
             out = self._exchange_padded(x.reshape(b * t, d), expert, weight, counts).reshape(b, t, d)
@@ -300,6 +318,21 @@ class MoE(nn.Module):
         source, back_slots = invert_rows(row_of, rows_n)
         out_local = self.experts(permute(received, source, row_of.unsqueeze(1)), ends)
         return out_local, lambda y: permute(y, row_of, back_slots)
+
+
+def update_expert_bias(bias: Tensor, counts: Tensor, rate: float) -> None:
+    """One step of loss-free balancing, in place: `bias` [..., E] (float64) moves by `rate`
+    towards an even load of `counts` [..., E] (rows routed to each expert over a whole step),
+    up for an expert below the mean, down above it, less the mean move so the biases keep
+    summing to what they did.
+
+    Exact in float64 for any device: counts and signs are whole numbers, so the only
+    roundings are one product and one sum, the same on every worker and in the reference.
+    """
+    n_experts = counts.shape[-1]
+    c = counts.to(torch.float64)
+    below = torch.sign(c.sum(dim=-1, keepdim=True) - n_experts * c)  # +1 under the mean, -1 over
+    bias.add_((n_experts * below - below.sum(dim=-1, keepdim=True)) * (rate / n_experts))
 
 
 def _count(ids: Tensor, n: int) -> Tensor:

@@ -29,7 +29,7 @@ from raypar.data.prefetch import Prefetcher
 from raypar.kernels import sample_seeds
 from raypar.model import build_stage, load_unstacked, unstacked
 from raypar.model.backward import backward_from
-from raypar.model.moe import MoE
+from raypar.model.moe import MoE, update_expert_bias
 from raypar.model.tensor_parallel import TensorParallel, gather_whole, slice_whole, tp_slices
 from raypar.model.split_backward import (compute_weight_grads, drop_weight_grads, pending_tensors, set_split_backward,
                                          weight_grads_deferred)
@@ -327,6 +327,7 @@ class StageRuntime:
             begin = self.clock.mark()
             if head.op == Op.REDUCE_GRAD:
                 state.inflight.finish(f"{where}: sends before the gradient reduction")
+                self._move_expert_biases()
                 if not self.is_first:
                     # The first stage ends the backward, so it reports the norm; the others
                     # report once their own backward is done and issue the next step while
@@ -558,11 +559,36 @@ class StageRuntime:
 
     def _read_back(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> "ReadBack":
         """Start copying what the report needs to host, before the optimizer is issued."""
-        moe = {layer: m.stats for layer, m in self.moe_layers.items()}
+        # The tp workers of a cell route the same tokens: one of them counts them.
+        moe = {layer: m.stats for layer, m in self.moe_layers.items()} if self.coord.tp == 0 else {}
         return ReadBack(
             losses=torch.stack(losses).float() if losses else None, grad_norm=grad_norm,
             routed={layer: s.routed for layer, s in moe.items() if s.routed is not None},
             dropped=[s.dropped for s in moe.values() if s.dropped is not None], clock=self.clock)
+
+    def _move_expert_biases(self) -> None:
+        """model.moe_bias_update_rate: move each MoE layer's routing biases by the rows its
+        experts received in this step over every replica of the stage (dp x ep; the tp
+        workers of a cell route the same tokens), on the device, before the next step routes."""
+        layers = [m for m in self.moe_layers.values() if m.bias_rate > 0 and m.stats.routed is not None]
+        if not layers:
+            return
+        counts = torch.stack([m.stats.routed for m in layers])
+        all_reduce_([counts], self.groups.dense_grad, self.timeout)
+        biases = torch.stack([m.expert_bias for m in layers])
+        update_expert_bias(biases, counts, layers[0].bias_rate)
+        for m, bias in zip(layers, biases):
+            m.expert_bias.copy_(bias)
+
+    def set_expert_biases(self, biases: dict[str, list[float]]) -> None:
+        """Put the routing biases of this stage's MoE layers (by layer id) to `biases`, as the
+        driver kept them for the step about to run; a layer not named goes back to zero."""
+        for layer, m in self.moe_layers.items():
+            values = biases.get(layer)
+            if values is not None and len(values) != m.n_experts:
+                raise ValueError(f"layer {layer}: {len(values)} expert biases for {m.n_experts} experts")
+            m.expert_bias.copy_(torch.tensor(values if values is not None else [0.0] * m.n_experts,
+                                             dtype=torch.float64))
 
     # -- actions -----------------------------------------------------------------------
 
