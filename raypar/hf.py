@@ -184,6 +184,13 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
                 f"capacity, MixtralForCausalLM never does; outputs differ wherever raypar would drop",
                 stacklevel=2,
             )
+        if cfg.moe_bias_update_rate > 0:
+            warnings.warn(
+                f"model.moe_bias_update_rate={cfg.moe_bias_update_rate}: raypar chooses experts with per-expert "
+                f"biases (the checkpoint's manifest, extra.expert_biases), MixtralForCausalLM has none; outputs "
+                f"differ wherever a bias changes a choice",
+                stacklevel=2,
+            )
         out.update(
             intermediate_size=cfg.moe_ffn_dim or cfg.hidden_dim,
             num_local_experts=cfg.n_experts,

@@ -222,3 +222,13 @@ def _assert_stages_start_from_the_hf_weights(tmp_path: pathlib.Path, cfg: ModelC
     assert loaded.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(loaded[name], t.float()), name
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"moe_capacity_factor": 1.0}, "raypar drops tokens over an expert's capacity"),
+    ({"moe_bias_update_rate": 0.001}, "MixtralForCausalLM has none"),
+])
+def test_mixtral_config_warns_where_raypar_routes_otherwise(setting, message):
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, n_experts=4, **setting)
+    with pytest.warns(UserWarning, match=message):
+        hf_config(cfg)

@@ -119,6 +119,8 @@ def test_same_losses_on_one_worker_and_on_eight(ray_session, tmp_path):
     (["model.n_experts=4", "model.moe_top_k=5"], r"moe_top_k=5 must be between 1 and model.n_experts=4"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.dp=2", "train.global_batch_size=6"],
      r"not divisible by parallel.dp \* parallel.ep \* parallel.microbatches = 2 \* 2 \* 1 = 4"),
+    (["model.moe_bias_update_rate=0.01"], r"above 0 only with experts \(model.n_experts=0\)"),
+    (["model.n_experts=4", "model.moe_bias_update_rate=-1"], r"moe_bias_update_rate=-1.0 must be >= 0"),
 ])
 def test_invalid_grids_say_what_would_work(overrides, message):
     with pytest.raises(ConfigError, match=message):

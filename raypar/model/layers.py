@@ -48,8 +48,9 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [b, heads, t, head_dim] by `rope_tables`' cos / signed sin [t, head_dim]
-    (in x's dtype: `Transformer` casts them once, not per layer)."""
+    """Rotate x [..., head_dim] by `rope_tables`' cos / signed sin, shaped to broadcast over
+    it: [t, head_dim] for x [b, heads, t, head_dim], [t, 1, head_dim] for x [b, t, heads,
+    head_dim] (in x's dtype: `Transformer` casts them once, not per layer)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 

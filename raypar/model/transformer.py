@@ -94,10 +94,14 @@ class Attention(nn.Module):
         """Attention of this rank's heads from their projections [b, t, heads * head_dim];
         [b, t, n_heads * head_dim], the input of wo."""
         b, t, _ = q.shape
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Rotated in the projections' own layout [b, t, heads, head_dim], where they are
+        # contiguous: on the transposed views every elementwise op of the rotation, forward and
+        # backward, ran strided (on 1 x H200, 1B model, 14% of the step); SDPA takes the
+        # transposed views as they are.
+        cos, sin = cos[:, None], sin[:, None]
+        q = apply_rope(q.view(b, t, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(b, t, self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             # Explicit repeat rather than SDPA's enable_gqa: every backend (CPU math,
