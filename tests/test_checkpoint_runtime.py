@@ -58,6 +58,7 @@ def test_checkpoint_from_one_grid_resumes_on_another(ray_session, tmp_path, data
     saved = checkpoint_dir(source_dir / "source" / "ckpt", 3)
     biases = read_manifest(saved).extra["expert_biases"]
     assert sorted(biases, key=int) == ["0", "1", "2", "3"] and any(any(v) for v in biases.values())
+    assert source.records[2].expert_biases == biases  # what the metrics showed after step 2
     moved = Trainer(config(tmp_path, "target", grid=target, steps=6, every=3, model=MOE, resume=str(saved))).fit()
     assert [r.loss for r in moved.records] == pytest.approx([r.loss for r in source.records[3:]], rel=1e-5)
     a, b = weights(latest(source_dir / "source" / "ckpt")), weights(latest(tmp_path / "target" / "ckpt"))

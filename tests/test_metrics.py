@@ -68,7 +68,8 @@ def test_standalone_serves_step_metrics(exporter):
 
 
 def test_exported_families_match_the_catalog(exporter):
-    rec = record(0, expert_tokens={"1": [5, 7], "3": [6, 6]}, tokens_dropped=2, alltoall_bytes=1024,
+    rec = record(0, expert_tokens={"1": [5, 7], "3": [6, 6]}, expert_biases={"1": [0.25, -0.25], "3": [0.0, 0.0]},
+                 tokens_dropped=2, alltoall_bytes=1024,
                  checkpoint_stall_s=0.01, optimizer_bytes=[3 << 20, 2 << 20], reduce_s=0.004, optimizer_s=0.002,
                  data_wait_s=0.003, data_window_bytes=[5 << 20, 4 << 20])
     rec.stage_times = [WorkerTimes(0, 0, 0, 0.01, 0.02, 0.003), WorkerTimes(1, 0, 0, 0.01, 0.02, 0.001)]
@@ -88,6 +89,7 @@ def test_exported_families_match_the_catalog(exporter):
         assert set(s[name][0].labels) == set(spec.labels), spec.name
     assert value(s, "raypar_stage_idle_seconds", run="t", stage="1", dp_rank="0", ep_rank="0") == pytest.approx(0.001)
     assert value(s, "raypar_expert_tokens", run="t", layer="1", expert="1") == 7
+    assert value(s, "raypar_expert_bias", run="t", layer="1", expert="1") == -0.25
     assert value(s, "raypar_tokens_dropped_total", run="t") == 2
     assert value(s, "raypar_alltoall_bytes_total", run="t") == 1024
     assert value(s, "raypar_checkpoint_stall_seconds", run="t") == pytest.approx(0.01)

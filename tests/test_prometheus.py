@@ -53,6 +53,7 @@ EXPECTED_LABEL_VALUES = {
 }
 RUN_OVERRIDES = [
     "parallel.dp=1", f"train.steps={STEPS}", "train.warmup_steps=1", "data.synthetic_samples=256",
+    "model.moe_bias_update_rate=0.01",  # the expert biases' series
     "checkpoint.every=2", "elastic.enabled=true", "elastic.resource_timeout_s=30",
     "runtime.device=cpu", "runtime.cpus_per_worker=0.25", "runtime.log_every=1",
 ]

@@ -433,9 +433,11 @@ TP_GRIDS = {
     # Dropout inside the split layers and around them, whole-block recompute; the sharded
     # optimizer (ZeRO-1) over dp=2 on each tp rank's slices, the norms and MoE layers (whole on
     # both tp workers, gradients partial under sequence parallelism) shared alike; small
-    # buckets, so parameters span several.
+    # buckets, so parameters span several. Expert biases moved by the rows of both replicas,
+    # counted once over the recompute.
     "dp2-tp2-sharded-moe-sequence-parallel-dropout-recompute": dict(
-        model={"n_layers": 2, "dropout": 0.2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01},
+        model={"n_layers": 2, "dropout": 0.2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01,
+               "moe_bias_update_rate": 0.05},
         parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "shard_optimizer": True, "grad_bucket_mb": 0.01},
         train={"global_batch_size": 16, "eps": 1e-6}, runtime={"recompute": "block"}),
     # Sequence parallelism: norms, residuals and the hidden states between stages hold each
@@ -450,9 +452,10 @@ TP_GRIDS = {
                                                 parallel={"pp": 2, "tp": 2, "sequence_parallel": True}),
     # Attention split over tp=2, every other layer's MLP too; the MoE layers whole on each tp
     # rank, their experts split over ep=2; under sequence parallelism (the MoE layers on the
-    # gathered sequence; without it: the model-level tests above).
+    # gathered sequence; without it: the model-level tests above); expert biases moving.
     "ep2-tp2-moe-sequence-parallel": dict(model={"n_layers": 2, "n_experts": 4, "moe_top_k": 2, "moe_every": 2,
-                                                 "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001},
+                                                 "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001,
+                                                 "moe_bias_update_rate": 0.05},
                                           parallel={"ep": 2, "tp": 2, "sequence_parallel": True},
                                           train={"global_batch_size": 16, "eps": 1e-6}),
 }

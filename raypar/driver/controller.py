@@ -368,6 +368,8 @@ class Controller:
         step = record.step
         t0 = time.perf_counter()
         self.expert_biases.observe(record)  # before a save of the state after this step
+        if self.expert_biases.enabled:
+            record.expert_biases = self.expert_biases.at(step + 1)
         if sent.save:
             self.saver.begin(step + 1, record.consumed_samples, self.cfg, self.grid)
         else:

@@ -221,9 +221,9 @@ class MetricsExporter(Callback):
         """Export one step.
 
         Besides the core fields, exported when the record has them: expert_tokens
-        ({layer: [tokens per expert]}), tokens_dropped and alltoall_bytes (this step's counts),
-        alltoall_s, checkpoint_stall_s, and stage_times (list of WorkerTimes or their dicts;
-        see `stage_times`).
+        ({layer: [tokens per expert]}), expert_biases ({layer: [bias per expert]}),
+        tokens_dropped and alltoall_bytes (this step's counts), alltoall_s, checkpoint_stall_s,
+        and stage_times (list of WorkerTimes or their dicts; see `stage_times`).
         """
         if not self.enabled:
             return
@@ -262,7 +262,8 @@ class MetricsExporter(Callback):
         # Dense runs leave these at their defaults; only MoE runs get MoE series.
         if getattr(record, "expert_tokens", None) or getattr(record, "alltoall_s", None) is not None:
             self.observe_moe(getattr(record, "expert_tokens", None), getattr(record, "tokens_dropped", 0),
-                             getattr(record, "alltoall_bytes", 0), getattr(record, "alltoall_s", None))
+                             getattr(record, "alltoall_bytes", 0), getattr(record, "alltoall_s", None),
+                             getattr(record, "expert_biases", None))
         b.set("raypar_data_wait_seconds", getattr(record, "data_wait_s", 0.0) or 0.0, run)
         for stage, nbytes in enumerate(getattr(record, "data_window_bytes", None) or []):
             b.set("raypar_stage_data_window_bytes", nbytes, {**run, "stage": str(stage)})
@@ -289,8 +290,10 @@ class MetricsExporter(Callback):
             self._backend.set("raypar_stage_idle_seconds", t.idle_s, labels)
 
     def observe_moe(self, expert_tokens: Mapping[str, Sequence[int]] | None = None, tokens_dropped: int = 0,
-                    alltoall_bytes: int = 0, alltoall_s: float | None = None) -> None:
-        """One step's expert routing ({layer: tokens per expert}) and all-to-all traffic.
+                    alltoall_bytes: int = 0, alltoall_s: float | None = None,
+                    expert_biases: Mapping[str, Sequence[float]] | None = None) -> None:
+        """One step's expert routing ({layer: tokens per expert}), the routing biases after it
+        ({layer: bias per expert}, model.moe_bias_update_rate) and all-to-all traffic.
 
         tokens_dropped and alltoall_bytes are this step's counts, not running totals.
         """
@@ -300,6 +303,9 @@ class MetricsExporter(Callback):
         for layer, counts in (expert_tokens or {}).items():
             for expert, n in enumerate(counts):
                 self._backend.set("raypar_expert_tokens", n, {**run, "layer": str(layer), "expert": str(expert)})
+        for layer, biases in (expert_biases or {}).items():
+            for expert, bias in enumerate(biases):
+                self._backend.set("raypar_expert_bias", bias, {**run, "layer": str(layer), "expert": str(expert)})
         # inc(0) still creates the series (both backends), so "no drops" reads 0 rather than "no data".
         self._backend.inc("raypar_tokens_dropped_total", tokens_dropped or 0, run)
         self._backend.inc("raypar_alltoall_bytes_total", alltoall_bytes or 0, run)

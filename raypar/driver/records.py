@@ -28,6 +28,8 @@ class StepRecord:
     peak_activation_bytes: list[int]  # per stage (max over replicas)
     peak_device_bytes: list[int]
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # per MoE layer, per expert
+    # The routing biases after the step, per MoE layer and expert (model.moe_bias_update_rate).
+    expert_biases: dict[str, list[float]] = field(default_factory=dict)
     tokens_dropped: int = 0
     alltoall_bytes: int = 0
     alltoall_s: float | None = None  # slowest worker's host time in all-to-all (MoE with ep > 1)

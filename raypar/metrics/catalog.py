@@ -93,6 +93,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("raypar_expert_tokens", "gauge",
                "Token assignments routed to each expert of each MoE layer in the last step, summed over replicas.",
                ("run", "layer", "expert"), "tokens"),
+    MetricSpec("raypar_expert_bias", "gauge",
+               "Routing bias of each expert of each MoE layer after the last step (model.moe_bias_update_rate; "
+               "added to the router probability when the top-k are chosen).", ("run", "layer", "expert"), ""),
     MetricSpec("raypar_tokens_dropped_total", "counter",
                "Token assignments dropped by expert capacity limits, summed over MoE layers.", RUN, "tokens"),
     # -- data -------------------------------------------------------------------------------
