@@ -19,8 +19,9 @@ worker's step on the device; "of it, transfer" leaves out the time a worker wait
 peer to enter each exchange (`runtime.profile.exchange_waits`: the workers' traces share
 one host's clock); "on the busiest worker" is the share on the worker with the most compute,
 whose step the other waits for; "busier worker's rows" is that step's routed rows on the
-worker that got more, over all layers, as a multiple of an even share. Each launch also says how long two graph replays ran at once
-(`runtime.profile.graph_replays`): the micro-batch overlap at work. Writes DIR/moe_speed.json and DIR/moe_speed.md.
+worker that got more, over all layers, as a multiple of an even share. Each launch also
+says how long two graph replays ran at once (`runtime.profile.graph_replays`): the
+micro-batch overlap at work. Writes DIR/moe_speed.json and DIR/moe_speed.md.
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def main() -> None:
             res = {**run_launch(["-m", "bench.moe_speed", "--out", str(args.out),
                                  "--launch", "moe-kernels-on" if kind == "moe-baseline" or kind in variants else kind,
                                  *(["--overrides", variants[kind]] if kind in variants else []),
-                                 "--steps", str(args.steps), "--profile-step", str(args.profile_step), "--work", str(args.work / f"round{r}" / kind)],
+                                 "--steps", str(args.steps), "--profile-step", str(args.profile_step),
+                                 "--work", str(args.work / f"round{r}" / kind)],
                                 tree, f"{kind} of round {r}"), "round": r, "kind": kind}
             results.append(res)
             print(f"round {r} {kind}: {res['tokens_per_s']:,.0f} tokens/s, step {res['step_ms']:.0f} ms, "

@@ -71,7 +71,7 @@ class ExpertBiases:
 
     def forget_before(self, steps_done: int) -> None:
         """No restore will go back further than `steps_done` steps."""
-        self._before = {s: b for s, b in self._before.items() if s >= steps_done} or self._before
+        self._before = {s: b for s, b in self._before.items() if s >= steps_done}
 
     def at(self, steps_done: int) -> dict[str, list[float]]:
         """The biases, by layer id, of the step after `steps_done` steps."""

@@ -209,11 +209,11 @@ class MoE(nn.Module):
         if self.placed:
             # From here on, where each choice's row goes: its expert's slot.
             expert = self.slot_of[expert]
-        # Slots the capacity dropped sort after all others (as expert n_experts), so every
-        # size below is known on the host without reading the device.
         # A forward recomputed in the backward (runtime.recompute) routes the same rows again:
         # the step has counted them.
         counted = torch._C._current_graph_task_id() != -1
+        # Slots the capacity dropped sort after all others (as expert n_experts), so every
+        # size below is known on the host without reading the device.
         if self.capacity_factor > 0:
             if not counted:
                 self.stats.add(routed, (~keep).sum())
