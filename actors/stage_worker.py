@@ -287,18 +287,18 @@ class StageWorker:
         try:
             # Not ahead of a snapshot (its peer check would wait for that forward) or into or
             # out of a profiled step (whose trace holds one step).
-            profiled = self.cfg.runtime.profile_step
-            if snapshot is not None or profiled in (step, step + 1):
+            profiled = self.cfg.runtime.profiled_steps
+            if snapshot is not None or step in profiled or step + 1 in profiled:
                 next_sample_ids = None
-            if profiled == step:
+            if step in profiled:
                 if self._profiler is None:  # the run starts at the profiled step
                     self._profiler = self._start_profiler(step)
                 self._profiler.record(ready=self._every_worker_ready)
             report = self.runtime.run_step(step, sample_ids, capture_grads, next_sample_ids)
-            if profiled == step:
+            if step in profiled:
                 self._profiler.stop()
                 self._profiler = None
-            elif profiled == step + 1:
+            if step + 1 in profiled:
                 self._profiler = self._start_profiler(step + 1)
             if snapshot is not None:
                 report.checkpoint_stall_s += self.runtime.start_snapshot(step, **snapshot)

@@ -211,9 +211,10 @@ class RuntimeConfig:
     forward_ahead: bool = True
     log_every: int = 1  # print a progress line every N steps
     timeline_step: int | None = None  # draw this step's timeline (PNG + Chrome trace) into run_dir while training
-    # Profile this step on every worker with torch.profiler: a Chrome trace per worker (CPU
-    # ops and, on GPU, every kernel) in run_dir/profile/ on the worker's node.
-    profile_step: int | None = None
+    # Profile this step (or each step of a list) on every worker with torch.profiler: a
+    # Chrome trace per worker and step (CPU ops and, on GPU, every kernel) in
+    # run_dir/profile/ on the worker's node.
+    profile_step: int | list[int] | None = None
     # Metrics: "ray" exports through ray.util.metrics (Ray's metrics agent, dashboard and
     # Grafana); "standalone" serves them from the driver with prometheus_client; "off".
     metrics: Literal["ray", "standalone", "off"] = "ray"
@@ -269,6 +270,12 @@ class RuntimeConfig:
     # those a CUDA graph captured, take SMs ahead of compute kernels waiting for them, so an
     # exchange is not held behind a grouped GEMM while the peer waits in it (GPU only)
     collectives_high_priority: bool = False
+
+    @property
+    def profiled_steps(self) -> frozenset[int]:
+        """The steps `profile_step` names (none, one or several)."""
+        steps = self.profile_step
+        return frozenset() if steps is None else frozenset([steps] if isinstance(steps, int) else steps)
 
 
 @dataclass
@@ -542,8 +549,9 @@ def validate(cfg: Config) -> None:
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"parallel.memory_budget_gb={p.memory_budget_gb} must be > 0 (GiB a stage may hold), or "
                           "null for 90% of the device's memory")
-    if r.profile_step is not None and r.profile_step < 0:
-        raise ConfigError(f"runtime.profile_step={r.profile_step} must be a step number (0 or more), or null for none")
+    if any(step < 0 for step in r.profiled_steps):
+        raise ConfigError(f"runtime.profile_step={r.profile_step} must be a step number (0 or more), a list of them "
+                          "(e.g. [6, 100]), or null for none")
     if r.steps_ahead < 0:
         raise ConfigError(f"runtime.steps_ahead={r.steps_ahead} must be >= 0 (0 waits for each step, 1 sends the next early)")
     e = cfg.elastic

@@ -1,4 +1,4 @@
-"""runtime.profile_step: every worker writes that step's torch.profiler trace, and
+"""runtime.profile_step: every worker writes each profiled step's torch.profiler trace, and
 `device_time` sums a trace's GPU kernels by kind and finds the device's busy time."""
 import json
 
@@ -6,25 +6,31 @@ import pytest
 
 from raypar.config import ConfigError, load_config
 from raypar.runtime.profile import (PROFILER_READY, collective, device_time, exchange_waits, graph_replays,
-                                    kernel_kind, replay_overlap)
+                                    kernel_kind, replay_overlap, trace_events)
 from raypar.driver.trainer import Trainer
 
 from helpers import tiny_config
 
 
-@pytest.mark.parametrize("step", [0, 1], ids=["first-step", "later-step"])
-def test_every_worker_writes_the_profiled_steps_trace(ray_session, tmp_path, step):
+@pytest.mark.parametrize("profiled", [0, 1, [1, 2]], ids=["first-step", "later-step", "two-steps-in-a-row"])
+def test_every_worker_writes_the_profiled_steps_trace(ray_session, tmp_path, profiled):
     """The profiler starts after the step before (or before the first) and records from the
-    barrier that waits for every worker's: the barrier itself is not in the trace."""
-    cfg = tiny_config(tmp_path, train={"steps": 3}, runtime={"profile_step": step})
+    barrier that waits for every worker's: the barrier itself is not in the trace. Of two
+    profiled steps in a row, the second's profiler starts as the first's stops."""
+    cfg = tiny_config(tmp_path, train={"steps": 4}, runtime={"profile_step": profiled})
     Trainer(cfg).fit()
+    steps = profiled if isinstance(profiled, list) else [profiled]
     traces = sorted((tmp_path / "run" / "profile").iterdir())
-    assert [t.name for t in traces] == [f"rank0-step{step}.json", f"rank1-step{step}.json"]
+    assert [t.name for t in traces] == sorted(f"rank{r}-step{s}.json" for r in (0, 1) for s in steps)
     for trace in traces:
         names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
         assert any(n and n.startswith("aten::") for n in names)  # the step's ops
         assert PROFILER_READY not in names
         assert device_time(trace)["kernels"] == 0  # a CPU run has no kernels
+    if len(steps) == 2:  # each trace holds its own step: the first's ops end before the second's begin
+        ops = [[e for e in trace_events(tmp_path / "run" / "profile" / f"rank0-step{s}.json")
+                if str(e.get("name", "")).startswith("aten::")] for s in steps]
+        assert max(e["ts"] + e["dur"] for e in ops[0]) <= min(e["ts"] for e in ops[1])
 
 
 def test_device_time_sums_kernels_by_kind_and_the_busy_time(tmp_path):
@@ -66,6 +72,9 @@ def test_exposed_time_is_per_collective(tmp_path):
 def test_a_negative_profile_step_is_refused():
     with pytest.raises(ConfigError, match="runtime.profile_step=-1 must be a step number"):
         load_config(None, ["runtime.profile_step=-1"])
+    with pytest.raises(ConfigError, match=r"runtime.profile_step=\[3, -2\] must be a step number .* a list of them"):
+        load_config(None, ["runtime.profile_step=[3, -2]"])
+    assert load_config(None, ["runtime.profile_step=[6, 100]"]).runtime.profiled_steps == {6, 100}
 
 
 def test_idle_gaps_are_the_stretches_no_kernel_covers_longest_first():

@@ -88,7 +88,7 @@ def device_time(trace: Path) -> dict:
     time its kernels ran while no compute kernel did), `top_kernels` (the kernels that took
     longest in all, by name); and `traced_ms`, the profiled block's length (its first
     event's start to its last's end)."""
-    events = _events(trace)
+    events = trace_events(trace)
     kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"]
     traced = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / 1000 if events else 0.0
     out: dict = {"traced_ms": traced, "kernels": len(kernels), "span_ms": 0.0, "busy_ms": 0.0,
@@ -115,7 +115,7 @@ def device_time(trace: Path) -> dict:
     return out
 
 
-def _events(trace: Path) -> list[dict]:
+def trace_events(trace: Path) -> list[dict]:
     """A trace's complete events, their times in microseconds since the epoch (the traces of
     one host's processes share that clock)."""
     data = json.loads(Path(trace).read_text())
@@ -138,7 +138,7 @@ def exchange_waits(traces: Sequence[Path], name: str = "SendRecv") -> list[dict]
     per_worker = []
     for trace in traces:
         kernels = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("stream"))
-                   for e in _events(trace) if e.get("cat") == "kernel"]
+                   for e in trace_events(trace) if e.get("cat") == "kernel"]
         by_stream: dict[object, list[tuple[float, float]]] = {}
         for s, e, n, stream in sorted(kernels):
             if kernel_kind(n) == "communication" and collective(n) == name:
@@ -177,7 +177,7 @@ def graph_replays(trace: Path) -> dict:
     should keep a forward's replay beside a backward's for most of the forward's span; a
     short `concurrent_ms` says the streams ran one after the other (as when they shared a
     hardware queue: docs/operations.md, `CUDA_DEVICE_MAX_CONNECTIONS`)."""
-    events = _events(trace)
+    events = trace_events(trace)
     launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
                       if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch"
                       and "correlation" in e.get("args", {}))
