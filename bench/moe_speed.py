@@ -26,9 +26,9 @@ with the most compute, whose step the other waits for; "busier worker's rows" is
 step's routed rows on the worker that got more, over all layers, as a multiple of an even
 share; "layers' busier rows" sums each layer's busier worker's rows instead (each layer's
 exchanges wait for its own busier worker), over the same even share. The table gives each
-launch's worst profiled step, a line below it every profiled step. Each launch also says how long two graph replays ran at once
-(`runtime.profile.graph_replays`): the micro-batch overlap at work. Writes
-DIR/moe_speed.json and DIR/moe_speed.md.
+launch's worst profiled step, a line below it every profiled step. Each launch also says
+how long two graph replays ran at once (`runtime.profile.graph_replays`): the micro-batch
+overlap at work. Writes DIR/moe_speed.json and DIR/moe_speed.md.
 """
 from __future__ import annotations
 
