@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.launches import run_launch
@@ -46,7 +47,7 @@ PROFILED_STEP = 6
 
 
 def launch(kind: str, steps: int, work: Path, overrides: list[str] = (),
-           profiled: list[int] = (PROFILED_STEP,)) -> dict:
+           profiled: Sequence[int] = (PROFILED_STEP,)) -> dict:
     """One training run in this process; returns its figures."""
     from raypar import Trainer, load_config
     from raypar.expert_placement import identity, loads_by_layer
