@@ -88,6 +88,10 @@ def launch(kind: str, steps: int, work: Path, overrides: list[str] = (),
         out["layer_busiest_rows_by_step"] = {step: layer_busiest_share(placement, layers, cfg.parallel.ep)
                                              for step, layers in loads.items()}
     out["profiles"] = [p for p in (profile(run_dir, step, moe=not kind.startswith("dense")) for step in profiled) if p]
+    for p in out["profiles"]:
+        if "worker_rows_by_step" in out:
+            p["busier_rows"] = max(out["worker_rows_by_step"][str(p["step"])], default=None)
+            p["layers_busier_rows"] = out["layer_busiest_rows_by_step"][str(p["step"])]
     if out["profiles"] and "exposed_alltoall_share" in out["profiles"][0]:
         # The launch's figure is its worst profiled step's.
         for key in ("exposed_alltoall_share", "exposed_alltoall_share_busiest", "exposed_transfer_share"):
@@ -165,8 +169,8 @@ def main() -> None:
     ap.add_argument("--overrides", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.launch:
-        overrides = [o for o in args.overrides.split(",") if o]
-        overrides = [] if args.launch.startswith("dense") else [o for o in args.set.split(",") if o] + overrides
+        every_moe = [] if args.launch.startswith("dense") else [o for o in args.set.split(",") if o]
+        overrides = every_moe + [o for o in args.overrides.split(",") if o]
         print("LAUNCH " + json.dumps(launch(args.launch, args.steps, args.work, overrides, args.profile_step)),
               flush=True)
         return
@@ -194,10 +198,11 @@ def main() -> None:
     print(table(results))
 
 
-def busier_rows(launch: dict, step: int) -> float | None:
-    """Step `step`'s routed rows on the worker that got more, as a multiple of an even share."""
-    shares = launch.get("worker_rows_by_step", {}).get(str(step))
-    return max(shares) if shares else None
+def largest_share(profiles: list[dict], key: str) -> str:
+    """The largest of the profiled steps' `key` (a multiple of an even share), "" where a
+    step lacks it."""
+    values = [p.get(key) for p in profiles]
+    return f"{max(values):.3f}x" if values and None not in values else ""
 
 
 def steps_list(text: str) -> list[int]:
@@ -223,10 +228,8 @@ def table(results: list[dict]) -> str:
             exposed = f"{x['exposed_alltoall_share']:.1%}" if "exposed_alltoall_share" in x else ""
             transfer = f"{x['exposed_transfer_share']:.1%}" if "exposed_transfer_share" in x else ""
             busiest = f"{x['exposed_alltoall_share_busiest']:.1%}" if "exposed_alltoall_share_busiest" in x else ""
-            rows = [busier_rows(x, p["step"]) for p in x.get("profiles", [])]
-            rows = f"{max(rows):.3f}x" if rows and None not in rows else ""
-            layers = [x.get("layer_busiest_rows_by_step", {}).get(str(p["step"])) for p in x.get("profiles", [])]
-            layers = f"{max(layers):.3f}x" if layers and None not in layers else ""
+            rows = largest_share(x.get("profiles", []), "busier_rows")
+            layers = largest_share(x.get("profiles", []), "layers_busier_rows")
             lines.append(f"| {r + 1} | {kind} | {x['tokens_per_s']:,.0f} | {x['step_ms']:.0f} | {x['mfu']:.3f} | {rel} | "
                          f"{exposed} | {transfer} | {busiest} | {rows} | {layers} | {x['loss_last_10']:.4f} |")
         on = got.get("moe-kernels-on")
@@ -244,9 +247,8 @@ def table(results: list[dict]) -> str:
                 ratios.append(f"- round {r + 1}, {kind}, by profiled step: "
                               + "; ".join(f"step {p['step']}: exposed {p['exposed_alltoall_share']:.1%}, on the busiest "
                                           f"worker {p['exposed_alltoall_share_busiest']:.1%}, busier worker's rows "
-                                          f"{busier_rows(got[kind], p['step']) or 0:.3f}x, layers' busier rows "
-                                          f"{got[kind].get('layer_busiest_rows_by_step', {}).get(str(p['step'])) or 0:.3f}x"
-                                          for p in profiles))
+                                          f"{largest_share([p], 'busier_rows')}, layers' busier rows "
+                                          f"{largest_share([p], 'layers_busier_rows')}" for p in profiles))
             if on and kind not in KINDS and kind != "moe-baseline":
                 ratios.append(f"- round {r + 1}, {kind} / kernels on: "
                               f"{got[kind]['tokens_per_s'] / on['tokens_per_s']:.3f} (tokens/s)")
