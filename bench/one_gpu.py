@@ -3,6 +3,9 @@
 - MoE against dense on one device: `configs/moe-scale.yaml` at pp=1, ep=1 with the custom
   kernels on and off, against `configs/gpt-1b.yaml` at pp=1, the same batch (16 x 1024
   tokens); MFU by active parameters. No all-to-all (ep=1): its exposed share needs 2 GPUs.
+  `dense-accumulation-unfused`: the dense run with its linear layers' weight gradients
+  written in bf16 and added into the fp32 gradients by a kernel after each GEMM
+  (`runtime.grad_accumulation_fusion=false`), against the GEMM accumulating into them.
 - States copied to host memory after every step (`elastic.memory_every=1`), into shared
   memory registered with CUDA (the default) or the worker's own pinned memory, against none:
   the whole `gpt-1b.yaml` (0.84B) on one worker, so no replica travels to a peer and the
@@ -44,6 +47,7 @@ RECOVERY = ["elastic.memory_every=1", "checkpoint.every=4", "checkpoint.when_bus
             "elastic.min_workers=1"]
 KINDS = {
     "dense": ("gpt-1b.yaml", ON_ONE),
+    "dense-accumulation-unfused": ("gpt-1b.yaml", [*ON_ONE, "runtime.grad_accumulation_fusion=false"]),
     "moe-kernels-on": ("moe-scale.yaml", [*ON_ONE, "runtime.kernels=true"]),
     "moe-kernels-off": ("moe-scale.yaml", [*ON_ONE, "runtime.kernels=false"]),
     "memory-off": ("gpt-1b.yaml", [*MEMORY, "elastic.memory_every=0"]),
@@ -61,7 +65,8 @@ KINDS = {
     "cut-zb-v": ("gpt-1b.yaml", [*ON_ONE, "parallel.schedule=zb-v"]),
 }
 # Ratios the table shows: (kind, against).
-RATIOS = [("moe-kernels-on", "dense"), ("moe-kernels-on", "moe-kernels-off"), ("memory-shared", "memory-off"),
+RATIOS = [("moe-kernels-on", "dense"), ("moe-kernels-on", "moe-kernels-off"), ("dense", "dense-accumulation-unfused"),
+          ("memory-shared", "memory-off"),
           ("memory-pinned", "memory-off"), ("memory-shared-4-layers", "memory-off-4-layers"),
           ("cut-move", "cut-stay")]
 STEADY_FROM = 3  # steps before this one pay for warm-up

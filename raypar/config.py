@@ -224,6 +224,12 @@ class RuntimeConfig:
     # CUDA kernels (kernels/, CuPy) on GPU workers; false runs the torch reference of every
     # kernel, for debugging. CPU runs always use the references.
     kernels: bool = True
+    # Under mixed precision, linear layers add their weight gradients into the fp32
+    # gradients inside the weight GEMM (bf16 inputs, fp32 accumulator) instead of writing a
+    # bf16 gradient that a kernel then adds in (raypar.model.main_grad). Off: through autograd
+    # and a hook, as a plain torch module does. Products are summed in fp32 either way; on
+    # the fused path without first rounding each micro-batch's gradient to bf16.
+    grad_accumulation_fusion: bool = True
     # How MoE layers with parallel.ep > 1 size their all-to-alls. "padded": every rank sends
     # each peer a buffer of all its (token, choice) rows, filled as far as routing needs, so
     # no layer waits for the host to read split sizes (costs ep x the routed bytes and

@@ -17,6 +17,7 @@ from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.host_ema import HostEma
 from raypar.kernels import accumulate_, ema_update_
+from raypar.model import main_grad
 from raypar.model.experts import named_slices
 from raypar.model.tensor_parallel import tp_slices
 
@@ -44,11 +45,13 @@ class MasterOptimizer:
     """AdamW on fp32 master weights for a module whose parameters may be bf16.
 
     fp32 modules are optimised in place. For bf16 modules every parameter gets an fp32
-    `main_grad` that backward accumulates into (micro-batch gradients summed in fp32, not
-    bf16) and an fp32 master copy that AdamW updates and casts back after each step.
+    gradient that backward accumulates into (micro-batch gradients summed in fp32, not
+    bf16) and an fp32 master copy that AdamW updates and casts back after each step. With
+    `fuse_grad_accumulation`, linear layers add their weight gradients into those fp32
+    gradients in the GEMM itself (`raypar.model.main_grad`); the rest go through a hook.
     """
 
-    def __init__(self, module: nn.Module, cfg: TrainConfig):
+    def __init__(self, module: nn.Module, cfg: TrainConfig, fuse_grad_accumulation: bool = True):
         self.cfg = cfg
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # What checkpoints call each parameter's pieces (stacked experts: one per expert).
@@ -61,6 +64,8 @@ class MasterOptimizer:
             for (_, p), m in zip(self.named_params, self.master):
                 m.grad = torch.zeros_like(m)
                 p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+                if fuse_grad_accumulation:
+                    main_grad.attach(p, m.grad)
         else:
             self.master = [p for _, p in self.named_params]
         decay = [m for (n, p), m in zip(self.named_params, self.master) if decays(n, p)]

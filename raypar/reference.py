@@ -17,7 +17,8 @@ class ReferenceTrainer:
     def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.model = build_stage(cfg.model, 0, 1, seed=cfg.train.seed, device=torch.device(device))
-        self.optimizer = MasterOptimizer(self.model, cfg.train)
+        self.optimizer = MasterOptimizer(self.model, cfg.train,
+                                         fuse_grad_accumulation=cfg.runtime.grad_accumulation_fusion)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def step(self, step: int, tokens: torch.Tensor, labels: torch.Tensor,

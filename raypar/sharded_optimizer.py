@@ -27,6 +27,7 @@ from torch import nn
 from raypar.adamw import FusedAdamW
 from raypar.config import TrainConfig
 from raypar.kernels import accumulate_
+from raypar.model import main_grad
 from raypar.model.experts import named_slices
 from raypar.model.tensor_parallel import largest_piece, tp_slices
 from raypar.optim import MasterOptimizer, decays, is_expert_param, lr_at
@@ -225,16 +226,29 @@ class Family:
             _all_gather(full[b.start:b.start + b.size], self.grad_share[b.share_at:b.share_at + n], group=self.group)
         return full
 
-    def accumulate_hook(self, i: int):
+    def grad_of(self, i: int) -> torch.Tensor:
+        """Parameter i's fp32 gradient: a view of the family's flat gradient buffer."""
         p = self.params[i][1]
-        into = self.grads[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
-        b = self.bucket_of[i]
+        return self.grads[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def accumulate_hook(self, i: int):
+        into, arrived = self.grad_of(i), self.arrival(i)
 
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:  # a backward that left this weight's gradient for later (split_backward)
                 return
             accumulate_(into, param.grad)
             param.grad = None
+            arrived()
+
+        return hook
+
+    def arrival(self, i: int) -> Callable[[], None]:
+        """What runs once parameter i's gradient of a micro-batch is in: under the overlap, the
+        bucket's reduce-scatter leaves with its last parameter of the last micro-batch."""
+        b = self.bucket_of[i]
+
+        def arrived() -> None:
             if self.ranks == 1 or not self.overlap:
                 return
             self._arrived[b] += 1
@@ -243,7 +257,7 @@ class Family:
             elif self._expected is not None and self._arrived[b] == self._expected[b]:
                 self._issue(b)
 
-        return hook
+        return arrived
 
 
 class ShardedOptimizer(MasterOptimizer):
@@ -254,7 +268,8 @@ class ShardedOptimizer(MasterOptimizer):
     """
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, groups: dict[str, object | None],
-                 bucket_numel: int = 50_000_000, overlap: bool = True, timeout: timedelta = timedelta(minutes=10)):
+                 bucket_numel: int = 50_000_000, overlap: bool = True, timeout: timedelta = timedelta(minutes=10),
+                 fuse_grad_accumulation: bool = True):
         self.cfg, self.timeout = cfg, timeout
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.slices = named_slices(module)
@@ -275,8 +290,10 @@ class ShardedOptimizer(MasterOptimizer):
         # captured on another stream would then fail.
         self._views = {key: p.detach()[index] for name, p in self.named_params for key, index in self.slices[name]}
         for family in self.families:
-            for i, _ in enumerate(family.params):
-                family.params[i][1].register_post_accumulate_grad_hook(family.accumulate_hook(i))
+            for i, (_, p) in enumerate(family.params):
+                p.register_post_accumulate_grad_hook(family.accumulate_hook(i))
+                if fuse_grad_accumulation and self.mixed:
+                    main_grad.attach(p, family.grad_of(i), family.arrival(i))
         self._wait_before_forwards(module)
         # The shares' gradients of tp slices and of what every tp worker holds whole (views,
         # made once: the norm and the sum over tp read them every step).

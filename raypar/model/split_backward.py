@@ -14,7 +14,8 @@ autograd's accumulation, so hooks on the parameters, e.g. a master copy's, still
 Only layers built in split mode (`set_split_backward(model, True)`) take part: `Linear` and
 the stacked experts' grouped GEMMs (`experts.GroupedExperts`). A whole backward (B) of such
 a layer computes both gradients at once, as usual. Norm weights and other small parameters
-get their gradients in I.
+get their gradients in I. A `Linear` whose weight has an fp32 main gradient attached
+(`main_grad`) adds its weight gradient into it, at B or at W, rather than through autograd.
 
 The same split hides an MoE layer's all-to-alls in a whole backward
 (`weight_grads_deferred(key, overlap=True)`): the weight gradients wait only until the next
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar.model import main_grad
 from raypar.model.backward import backward_from
 
 # Weight gradients waiting for W, by key: (weight, what computes its gradient, the tensors
@@ -48,7 +50,8 @@ class Linear(nn.Linear):
     split_backward = False  # set by `set_split_backward`
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.split_backward and torch.is_grad_enabled():  # set only on layers without a bias
+        own_backward = self.split_backward or (self.bias is None and main_grad.attached(self.weight))
+        if own_backward and torch.is_grad_enabled():  # split mode is set only on layers without a bias
             return _SplitLinear.apply(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
@@ -91,9 +94,10 @@ def run_while_exchanging() -> int:
     return compute_weight_grads(key) if overlap else 0
 
 
-def defer_weight_grad(parameter: Tensor, compute: Callable[[], Tensor], held: tuple[Tensor, ...]) -> bool:
+def defer_weight_grad(parameter: Tensor, compute: Callable[[], Tensor | None], held: tuple[Tensor, ...]) -> bool:
     """For a split layer's backward: leave `parameter`'s gradient (`compute()`, which reads
-    `held`) for W when a deferral is on; False when not (compute it now)."""
+    `held`, and returns the gradient or None where it added it itself) for W when a deferral
+    is on; False when not (compute it now)."""
     with _lock:
         if not _deferring:
             return False
@@ -121,6 +125,8 @@ def compute_weight_grads(key: Hashable) -> int:
     for weight, compute, _ in work:
         with torch.no_grad():
             grad_w = compute()
+        if grad_w is None:  # added into the weight's main gradient already
+            continue
         # Through autograd's accumulation into the leaf (a view's backward is the identity):
         # parameter hooks run as they do for a whole backward.
         with torch.enable_grad():
@@ -153,9 +159,16 @@ class _SplitLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None
-        if defer_weight_grad(ctx.parameter, lambda: _linear_weight_grad(x, grad_out), (x, grad_out)):
+        weight = ctx.parameter
+        if main_grad.attached(weight):
+            def compute() -> None:
+                main_grad.add_linear_weight_grad(weight, x, grad_out)
+        else:
+            def compute() -> Tensor:
+                return _linear_weight_grad(x, grad_out)
+        if defer_weight_grad(weight, compute, (x, grad_out)):
             return grad_x, None
-        return grad_x, _linear_weight_grad(x, grad_out)
+        return grad_x, compute()
 
 
 def _linear_weight_grad(x: Tensor, grad_out: Tensor) -> Tensor:

@@ -187,9 +187,11 @@ class StageRuntime:
                                               {"dense": groups.dense_grad, "expert": groups.expert_grad},
                                               bucket_numel=int(cfg.parallel.grad_bucket_mb * 2**20) // 4,
                                               overlap=cfg.parallel.overlap_grad_reduce,
-                                              timeout=self.timeout)
+                                              timeout=self.timeout,
+                                              fuse_grad_accumulation=cfg.runtime.grad_accumulation_fusion)
         else:
-            self.optimizer = MasterOptimizer(self.model, cfg.train)
+            self.optimizer = MasterOptimizer(self.model, cfg.train,
+                                             fuse_grad_accumulation=cfg.runtime.grad_accumulation_fusion)
         self._optimizer_bytes = self.optimizer.state_bytes()  # fixed for the stage's life
         if cfg.checkpoint.ema_decay > 0:
             # From the initial weights; a checkpoint load replaces it.
