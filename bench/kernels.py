@@ -20,7 +20,8 @@ NOTES = ("GPU ms per call: median over 7 timings of 10 calls queued back to back
          "as in training); host us: the time to issue one call; GB/s counts bytes read plus bytes written once each; "
          "copy: torch copy_ of one large tensor (device to device, or device to pinned host for the snapshot "
          "copy), measured in the same run. Eager: what the model runs without the kernel (index gather, "
-         "index_add in fp32, F.dropout then add, a foreach lerp, one copy_ per tensor).")
+         "index_add in fp32, F.dropout then add, the rotary formula with its roll, F.silu then a multiply, "
+         "a foreach lerp, one copy_ per tensor).")
 REPEATS = 7  # medians over these
 CALLS = 10  # calls per timing
 
@@ -47,6 +48,8 @@ def run(ctx: "Context") -> list[dict]:
 def _cases(device: str, scale: int) -> list[tuple[str, Callable]]:
     # MoE shapes of the 1B-class models: 16k tokens of width 4096, top-2 over 8 experts.
     tokens, dim, k, experts = 16384 // scale, 4096 // scale, 2, 8
+    # The 1B dense model's MLP: a micro-batch of 4 x 1024 tokens, 5632 hidden units.
+    batch, seq, ffn = 4 // min(scale, 4), 1024 // scale, 5632 // scale
     return [
         (f"permute, {tokens} tokens x top-{k}, d={dim}, bf16", lambda: _permute_case(device, tokens, dim, k, experts)),
         (f"unpermute + combine, {tokens} tokens x top-{k}, d={dim}, bf16",
@@ -57,6 +60,10 @@ def _cases(device: str, scale: int) -> list[tuple[str, Callable]]:
          lambda: _dropout_case(device, 8 // min(scale, 8), 2048 // scale, dim)),
         (f"dropout + residual add, forward and backward, {8 // min(scale, 8)} x 2048 x {dim}, bf16, p=0.1",
          lambda: _dropout_case(device, 8 // min(scale, 8), 2048 // scale, dim, backward=True)),
+        (f"rotary embedding, forward and backward, {4 // min(scale, 4)} x {1024 // scale} x 16 heads x 128, bf16",
+         lambda: _rope_case(device, 4 // min(scale, 4), 1024 // scale, 16, 128)),
+        (f"SwiGLU of separate gate and up, forward and backward, {batch} x {seq} tokens, h={ffn}, bf16",
+         lambda: _swiglu_pair_case(device, batch * seq, ffn)),
         (f"EMA update, 200 tensors, {200 * (4 << 20) // scale**2 / 1e6:.0f}M bf16 weights into fp32",
          lambda: _ema_case(device, 200, (4 << 20) // scale**2)),
         (f"snapshot copy to pinned host, 200 tensors, {200 * (2 << 20) * 2 // scale**2 / 2**20:.0f} MiB",
@@ -138,6 +145,34 @@ def _dropout_case(device, b, t, d, backward: bool = False):
         return ours, eager, 3 * x.numel() * 2, "d2d"
     # Backward reads the gradient and writes x's (the residual's gradient is the same tensor).
     return (lambda: ours().backward(up)), (lambda: eager().backward(up)), 5 * x.numel() * 2, "d2d"
+
+
+def _rope_case(device, b, t, heads, hd):
+    """q of the 1B model: the attention's layout [b, t, heads, hd], tables cast to bf16 once."""
+    from raypar.kernels import rope, rope_reference
+    from raypar.model.layers import rope_tables
+
+    cos, sin = (tab.to(torch.bfloat16)[:, None] for tab in rope_tables(hd, t, 10000.0, device=device))
+    x = torch.randn(b, t, heads, hd, device=device, dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn_like(x)
+    # autograd.grad, not backward: accumulating into x.grad would add a kernel to both sides.
+    ours = lambda: torch.autograd.grad(rope(x, cos, sin), x, up)  # noqa: E731
+    eager = lambda: torch.autograd.grad(rope_reference(x, cos, sin), x, up)  # noqa: E731
+    # Forward reads x and writes y, backward reads the gradient and writes x's (tables aside).
+    return ours, eager, 4 * x.numel() * 2, "d2d"
+
+
+def _swiglu_pair_case(device, tokens, h):
+    """The dense MLP's activation in the 1B model: gate and up are w1's and w3's outputs."""
+    from raypar.kernels import swiglu_pair, swiglu_pair_reference
+
+    gate, up = (torch.randn(tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+    ours = lambda: torch.autograd.grad(swiglu_pair(gate, up), (gate, up), dy)  # noqa: E731
+    eager = lambda: torch.autograd.grad(swiglu_pair_reference(gate, up), (gate, up), dy)  # noqa: E731
+    # Forward reads gate and up and writes the output; backward reads gate, up and the
+    # output's gradient and writes gate's and up's.
+    return ours, eager, 8 * gate.numel() * 2, "d2d"
 
 
 def _ema_case(device, count, numel):

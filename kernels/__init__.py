@@ -11,10 +11,12 @@ from raypar.kernels.grad_accumulate import accumulate_
 from raypar.kernels.loader import set_enabled, unavailable_reason
 from raypar.kernels.moe_permute import permute, unpermute
 from raypar.kernels.multi_tensor import copy_, ema_update_
-from raypar.kernels.swiglu import swiglu, swiglu_reference
+from raypar.kernels.rope import rope, rope_reference
+from raypar.kernels.swiglu import swiglu, swiglu_pair, swiglu_pair_reference, swiglu_reference
 
 KERNELS = {"moe_permute": "moe_permute.cu", "moe_layout": "moe_layout.cu", "dropout_add": "dropout_add.cu",
-           "multi_tensor": "multi_tensor.cu", "swiglu": "swiglu.cu", "grad_accumulate": "grad_accumulate.cu"}
+           "multi_tensor": "multi_tensor.cu", "swiglu": "swiglu.cu", "grad_accumulate": "grad_accumulate.cu",
+           "rope": "rope.cu"}
 
 
 def load_all() -> dict[str, str]:
@@ -30,4 +32,5 @@ def load_all() -> dict[str, str]:
 
 
 __all__ = ["accumulate_", "copy_", "dropout_add", "dropout_add_reference", "ema_update_", "keep_mask", "load_all",
-           "permute", "sample_seeds", "set_enabled", "site_salt", "swiglu", "swiglu_reference", "unavailable_reason", "unpermute"]
+           "permute", "rope", "rope_reference", "sample_seeds", "set_enabled", "site_salt", "swiglu", "swiglu_pair",
+           "swiglu_pair_reference", "swiglu_reference", "unavailable_reason", "unpermute"]

@@ -36,7 +36,7 @@ def test_every_suite_runs_on_cpu(tmp_path):
     kernel_rows = results["suites"]["kernels"]["rows"]
     assert kernel_rows[0]["d2d_gbps"] > 0 and kernel_rows[0]["d2h_pinned_gbps"] > 0
     # On CPU the ops run their torch references: those are timed, no kernel is.
-    assert len(kernel_rows) == 9 and all(r["eager_ms"] > 0 and "kernel_ms" not in r for r in kernel_rows[1:])
+    assert len(kernel_rows) == 11 and all(r["eager_ms"] > 0 and "kernel_ms" not in r for r in kernel_rows[1:])
 
     moe = _rows(results, "moe")
     ep, pp = moe["ep=2, grid (1,1,2)"], moe["pp=2, grid (1,2,1)"]

@@ -224,3 +224,113 @@ def test_gradient_accumulation_matches_reference(n, dtype, offset):
     kernels.accumulate_(main, grad)
     _reference(lambda: kernels.accumulate_(want, grad))
     torch.testing.assert_close(main, want, rtol=0, atol=0)
+
+
+
+@pytest.mark.parametrize("b,t,heads,hd,table_len,dtype", [
+    (4, 1024, 16, 128, 1024, torch.bfloat16), (2, 100, 3, 64, 128, torch.float32), (3, 17, 1, 128, 40, torch.bfloat16),
+    (2, 9, 4, 6, 9, torch.bfloat16), (2, 9, 4, 6, 12, torch.float32), (1, 33, 2, 8, 33, torch.float16),
+    (0, 4, 2, 64, 4, torch.bfloat16)])
+def test_rope_matches_reference(b, t, heads, hd, table_len, dtype):
+    """Forward and backward, both table forms; hd=6, and hd=8 in 16 bits, take the scalar path."""
+    from raypar.model.layers import rope_tables
+
+    cos, sin = (tab.to(dtype) for tab in rope_tables(hd, table_len, 10000.0, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(t * hd + heads)
+    x = torch.randn(b, t, heads, hd, device="cuda", generator=g).to(dtype)
+    grad = torch.randn(b, t, heads, hd, device="cuda", generator=g).to(dtype)
+
+    def run(tables, wide=False):
+        xs = (x.float() if wide else x).clone().requires_grad_()
+        out = kernels.rope(xs, *(tab.float() if wide else tab for tab in tables))
+        out.backward(grad.float() if wide else grad)
+        return out.detach().to(dtype), xs.grad.to(dtype)
+
+    for tables in ((cos, sin), (cos[:, None], sin[:, None])):
+        _poison()
+        got = run(tables)
+        # The kernel rounds once: it is the fp32 rotation of the same inputs, rounded. The
+        # reference in x's dtype also rounds both products (up to half an ulp of |x| each).
+        exact = _reference(lambda: run(tables, wide=True))
+        ref = _reference(lambda: run(tables))
+        loose = TOL[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=4e-2)
+        for name, k, e, r in zip(("out", "grad x"), got, exact, ref):
+            assert not torch.isnan(k).any(), f"{name}: unwritten (NaN) elements"
+            torch.testing.assert_close(k, e, **TOL[dtype], msg=lambda m: f"{name} against fp32: {m}")
+            torch.testing.assert_close(k, r, **loose, msg=lambda m: f"{name} against the reference: {m}")
+
+
+def test_rope_takes_non_contiguous_x_and_falls_back_for_fp32_tables(capsys):
+    from raypar.model.layers import rope_tables
+
+    cos, sin = rope_tables(64, 32, 10000.0, device="cuda")
+    x = torch.randn(2, 4, 32, 64, device="cuda").transpose(1, 2)  # [b, t, heads, hd] view of [b, heads, t, hd]
+    want = _reference(lambda: kernels.rope(x, cos, sin))
+    torch.testing.assert_close(kernels.rope(x, cos, sin), want, **TOL[torch.float32])
+    loader._said.difference_update([k for k in loader._said if k.startswith("rope/")])
+    out = kernels.rope(x.bfloat16(), cos, sin)  # fp32 tables: the reference, promoted to fp32 as before
+    assert out.dtype == torch.float32 and "runs unfused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape,dtype,layout", [
+    ((4, 1024, 5632), torch.bfloat16, "contiguous"), ((300, 1536), torch.float32, "contiguous"),
+    ((2, 33, 96), torch.float16, "contiguous"), ((17, 7), torch.bfloat16, "contiguous"),
+    ((33, 5), torch.float32, "contiguous"), ((9, 64), torch.bfloat16, "unaligned"),
+    ((64, 96), torch.float16, "transposed"), ((0, 64), torch.bfloat16, "contiguous"),
+    ((3, 0, 128), torch.float32, "contiguous")])
+def test_swiglu_pair_matches_reference(shape, dtype, layout):
+    """Forward and both gradients. h=7 and h=5 take the scalar path; so do inputs that start
+    off a 16-byte boundary ("unaligned"); "transposed" inputs are copied contiguous first."""
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+
+    def make(scale=1.0):
+        n = torch.Size(shape).numel()
+        if layout == "unaligned":
+            return (torch.randn(n + 1, device="cuda", generator=g) * scale).to(dtype)[1:].view(shape)
+        if layout == "transposed":
+            return (torch.randn(shape[::-1], device="cuda", generator=g) * scale).to(dtype).t()
+        return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
+
+    gate, up, grad = make(3.0), make(), make()
+    if layout == "unaligned":
+        assert gate.is_contiguous() and gate.data_ptr() % 16
+    if layout == "transposed":
+        assert not gate.is_contiguous()
+
+    def run():
+        gs, us = gate.detach().requires_grad_(), up.detach().requires_grad_()  # not clone(): it would align
+        _poison()
+        out = kernels.swiglu_pair(gs, us)
+        out.backward(grad)
+        return out.detach(), gs.grad, us.grad
+
+    got, want = run(), _reference(run)
+    # The reference rounds silu(gate) before the product; the kernel rounds once.
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else TOL[dtype]
+    for name, k, r in zip(("out", "grad gate", "grad up"), got, want):
+        assert k.shape == r.shape and k.dtype == r.dtype, name
+        assert not torch.isnan(k).any(), f"{name}: unwritten (NaN) elements"
+        torch.testing.assert_close(k.float(), r.float(), **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rows,h,dtype", [(4099, 5464, torch.bfloat16), (300, 1536, torch.float32),
+                                          (17, 7, torch.bfloat16), (64, 96, torch.float16), (0, 64, torch.bfloat16)])
+def test_swiglu_packed_is_the_pair_kernel_on_its_halves(rows, h, dtype):
+    """The packed layout (gate and up side by side, row stride 2h) against the separate one
+    (stride h): one kernel body, so the same bits, every element written."""
+    g = torch.Generator(device="cuda").manual_seed(rows * h)
+    gu = (torch.randn(rows, 2 * h, device="cuda", generator=g) * 3).to(dtype)
+    grad = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
+    _poison()
+    x = gu.clone().requires_grad_()
+    out = kernels.swiglu(x)
+    out.backward(grad)
+    gate, up = (half.contiguous().requires_grad_() for half in gu.chunk(2, dim=-1))
+    pair = kernels.swiglu_pair(gate, up)
+    pair.backward(grad)
+    assert not torch.isnan(out).any() and not torch.isnan(x.grad).any(), "unwritten (NaN) elements"
+    torch.testing.assert_close(out, pair, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, torch.cat((gate.grad, up.grad), dim=-1), rtol=0, atol=0)
+    ref = _reference(lambda: kernels.swiglu(gu))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), **tol)

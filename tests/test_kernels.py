@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from raypar import kernels
 from raypar.kernels import residual_dropout as dropout_mod
@@ -163,9 +164,66 @@ def test_swiglu_reference_is_silu_of_gate_times_up_and_checks_its_input():
         kernels.swiglu(torch.zeros(2, 7))
 
 
+def test_swiglu_pair_is_the_unfused_formula_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up, grad = (torch.randn(3, 5, 8, generator=g).to(dtype) for _ in range(3))
+        leaves = [t.clone().requires_grad_() for t in (gate, up, gate, up)]
+        out = kernels.swiglu_pair(leaves[0], leaves[1])
+        want = F.silu(leaves[2]) * leaves[3]
+        assert torch.equal(out, want)
+        out.backward(grad)
+        want.backward(grad)
+        assert torch.equal(leaves[0].grad, leaves[2].grad) and torch.equal(leaves[1].grad, leaves[3].grad)
+    gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(kernels.swiglu_pair, (gate, up))
+    assert torch.equal(kernels.swiglu_pair_reference(gate, up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("gate,up,match", [
+    (torch.zeros(2, 8), torch.zeros(2, 7), r"one shape \[\.\.\., h\], got \(2, 8\) and \(2, 7\)"),
+    (torch.zeros(2, 8), torch.zeros(8), "one shape"),
+    (torch.zeros(()), torch.zeros(()), "one shape"),
+    (torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64), "gate is torch.float32, up is torch.float64"),
+])
+def test_swiglu_pair_rejects_mismatched_inputs(gate, up, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.swiglu_pair(gate, up)
+
+
 def test_gradient_accumulation_reference_adds_in_fp32():
     main = torch.full((3, 5), 1.0)
     kernels.accumulate_(main, torch.full((3, 5), 2 ** -10, dtype=torch.bfloat16))
     assert main.dtype == torch.float32 and torch.equal(main, torch.full((3, 5), 1 + 2 ** -10))
     with pytest.raises(ValueError, match="does not match"):
         kernels.accumulate_(torch.zeros(4), torch.zeros(5))
+
+
+def test_rope_is_rotate_half_with_plain_tables_and_has_exact_gradients():
+    b, t, heads, hd, theta = 2, 5, 3, 8, 10000.0
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    freqs = torch.outer(torch.arange(t + 2, dtype=torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    signed = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), dim=-1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t, heads, hd, dtype=torch.float64, generator=g, requires_grad=True)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * cos[:t, None] + torch.cat((-x2, x1), dim=-1) * sin[:t, None]
+    # Both table forms, longer than the sequence, give the rotation of the first t positions.
+    torch.testing.assert_close(kernels.rope(x, cos, signed), want)
+    torch.testing.assert_close(kernels.rope(x, cos[:, None], signed[:, None]), want)
+    torch.testing.assert_close(kernels.rope_reference(x, cos[:t, None], signed[:t, None]), want)
+    assert torch.autograd.gradcheck(lambda v: kernels.rope(v, cos, signed), (x,))
+
+
+@pytest.mark.parametrize("x,table,match", [
+    (torch.zeros(2, 3, 4), torch.zeros(3, 4), r"x must be \[b, t, heads, head_dim\]"),
+    (torch.zeros(1, 3, 2, 7), torch.zeros(3, 7), "head_dim \\(7\\) must be even"),
+    (torch.zeros(1, 3, 2, 8), torch.zeros(2, 8), r"cos must be \[T, 8\] or \[T, 1, 8\] with T >= t = 3"),
+    (torch.zeros(1, 3, 2, 8), torch.zeros(3, 6), r"\[T, 8\] or \[T, 1, 8\]"),
+    (torch.zeros(1, 3, 2, 8), torch.zeros(3, 2, 8), r"\[T, 8\] or \[T, 1, 8\]"),
+])
+def test_rope_rejects_bad_shapes(x, table, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.rope(x, table, table)

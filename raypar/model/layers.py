@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raypar.kernels import rope, rope_reference, swiglu_pair
 from raypar.model.split_backward import Linear
 
 __all__ = ["RMSNorm", "FeedForward", "rope_tables", "apply_rope"]
@@ -50,8 +51,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [..., head_dim] by `rope_tables`' cos / signed sin, shaped to broadcast over
     it: [t, head_dim] for x [b, heads, t, head_dim], [t, 1, head_dim] for x [b, t, heads,
-    head_dim] (in x's dtype: `Transformer` casts them once, not per layer)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    head_dim] (in x's dtype: `Transformer` casts them once, not per layer).
+
+    The attention's layout, x [b, t, heads, head_dim], goes through `kernels.rope`: one fused
+    kernel each way on GPU; other layouts, and CPU runs, take the formula
+    (`kernels.rope_reference`), value for value."""
+    if x.dim() == 4 and cos.dim() == 3 and cos.shape[0] == x.shape[1] and cos.shape[1] == 1:
+        return rope(x, cos, sin)
+    return rope_reference(x, cos, sin)
 
 
 # ---------------------------------------------------------------------------------------
@@ -59,7 +66,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x); the activation is `kernels.swiglu_pair`, one fused
+    kernel each way on GPU and `F.silu(gate) * up` on CPU."""
 
     def __init__(self, dim: int, hidden_dim: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -68,4 +76,4 @@ class FeedForward(nn.Module):
         self.w2 = Linear(hidden_dim, dim, bias=False, dtype=dtype)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu_pair(self.w1(x), self.w3(x)))

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from raypar.config import ModelConfig
-from raypar.kernels import dropout_add, site_salt
+from raypar.kernels import dropout_add, site_salt, swiglu_pair
 from raypar.model.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from raypar.model.experts import named_slices
 from raypar.model.moe import MoE
@@ -165,7 +165,7 @@ class FeatureParallelFeedForward(FeedForward):
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp
         x = tp.feature_slice(x)
-        hidden = F.silu(tp.sum_partials(self.w1(x))) * tp.sum_partials(self.w3(x))
+        hidden = swiglu_pair(tp.sum_partials(self.w1(x)), tp.sum_partials(self.w3(x)))
         return tp.gather_features(self.w2(tp.into_split(hidden)))
 
 
