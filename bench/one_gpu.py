@@ -110,7 +110,8 @@ def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
     step_s = statistics.median(r.step_time_s for r in steady)
     out = {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
            "step_ms": 1000 * step_s, "mfu": s.mfu, "steps_ms": [round(1000 * r.step_time_s) for r in s.records],
-           "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config}
+           "memory_copies": sum(1 for r in s.records if r.memory_copied), "overrides": overrides, "config": config,
+           "peak_gib": max(max(r.peak_device_bytes) for r in s.records) / 2**30}
     if kind.startswith("cut"):
         out.update(losses=[r.loss for r in s.records], schedules=[r.schedule for r in s.records], moves=s.moves,
                    wall_s=wall_s, peak_device_gib=[round(max(r.peak_device_bytes) / 2**30, 2) for r in s.records])
@@ -149,11 +150,12 @@ def table(results: list[dict]) -> str:
         if "kill_to_step_s" not in r:
             by_kind.setdefault(r["kind"], []).append(r)
     med = {k: statistics.median(x["tokens_per_s"] for x in rs) for k, rs in by_kind.items()}
-    lines = ["| launch | tokens/s (each round) | median | MFU | memory copies |", "|---|---|---|---|---|"]
+    lines = ["| launch | tokens/s (each round) | median | MFU | memory copies | peak GiB |", "|---|---|---|---|---|---|"]
     for k, rs in by_kind.items():
         each = " / ".join(f"{x['tokens_per_s']:,.0f}" for x in rs)
         mfu = statistics.median(x["mfu"] for x in rs)
-        lines.append(f"| {k} | {each} | {med[k]:,.0f} | {mfu:.3f} | {rs[0]['memory_copies']} |")
+        peak = max((x["peak_gib"] for x in rs if "peak_gib" in x), default=float("nan"))
+        lines.append(f"| {k} | {each} | {med[k]:,.0f} | {mfu:.3f} | {rs[0]['memory_copies']} | {peak:.2f} |")
     lines += ["", "| ratio | tokens/s |", "|---|---|"]
     lines += [f"| {a} / {b} | {med[a] / med[b]:.3f} |" for a, b in RATIOS if a in med and b in med]
     moved = [r for r in results if r["kind"].startswith("cut-move") and r.get("moves")]
