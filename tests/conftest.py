@@ -3,10 +3,19 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from ports import free_port
+
+# `python -m pytest` in the checkout puts its root first on sys.path, where the folder
+# `kernels/` (installed as `raypar.kernels`) would stand in for the `kernels` package of
+# Hugging Face that transformers imports: the root goes last, behind site-packages.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+_at_front = [p for p in sys.path if os.path.abspath(p or os.curdir) == _ROOT]
+if _at_front:
+    sys.path[:] = [p for p in sys.path if p not in _at_front] + [_ROOT]
 
 # Workers get fractional CPUs so an 8-worker grid schedules on a 2-core machine.
 LOGICAL_CPUS = 8
