@@ -229,10 +229,11 @@ def test_graphed_bf16_dense_dp2_sharded_equals_eager(ray_session, tmp_path):
 
 
 @pytest.mark.parametrize("gpus, parallel, model", [
+    (1, {"pp": 1}, {}),
     (2, {"pp": 2}, {}),
     (4, {"pp": 2, "tp": 2}, {}),
     (4, {"pp": 2, "ep": 2}, {**MOE, "moe_top_k": 2, "moe_ffn_dim": 64}),
-], ids=["pp2", "pp2-tp2", "pp2-ep2-moe"])
+], ids=["pp1", "pp2", "pp2-tp2", "pp2-ep2-moe"])
 def test_graphed_pipeline_stages_equal_eager(ray_session, tmp_path, gpus, parallel, model):
     """Pipeline stages in bf16 with dropout: each stage replays a graph set per micro-batch it
     holds live (1F1B: pp - stage; fthenb: all), starting from the received activation and,
