@@ -95,12 +95,7 @@ def swiglu(gu: Tensor) -> Tensor:
     """silu(gate) * up for gu = [..., 2h] (gate in the first h columns, up in the last)."""
     if gu.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension ({gu.shape[-1]}) must hold gate and up, an even size")
-    reason = loader.unavailable_reason(gu, SOURCE)
-    if reason is None and loader.dtype_suffix(gu.dtype) is None:
-        reason = f"{gu.dtype} is not fp32, bf16 or fp16"
-    if reason is not None:
-        if gu.is_cuda:
-            loader.say_once(f"swiglu/{gu.dtype}", f"SwiGLU runs unfused in torch: {reason}")
+    if _falls_back(gu, "SwiGLU"):
         return swiglu_reference(gu)
     return _SwiGLU.apply(gu)
 
@@ -119,12 +114,16 @@ def swiglu_pair(gate: Tensor, up: Tensor) -> Tensor:
         raise ValueError(f"swiglu_pair: gate is {gate.dtype}, up is {up.dtype}; they must share a dtype")
     if gate.device != up.device:
         raise ValueError(f"swiglu_pair: gate is on {gate.device}, up on {up.device}")
-    reason = loader.unavailable_reason(gate, SOURCE)
-    if reason is None and loader.dtype_suffix(gate.dtype) is None:
-        reason = f"{gate.dtype} is not fp32, bf16 or fp16"
-    if reason is not None:
-        if gate.is_cuda:
-            loader.say_once(f"swiglu_pair/{gate.dtype}",
-                            f"SwiGLU of separate gate and up runs unfused in torch: {reason}")
+    if _falls_back(gate, "SwiGLU of separate gate and up"):
         return swiglu_pair_reference(gate, up)
     return _SwiGLUPair.apply(gate, up)
+
+
+def _falls_back(t: Tensor, what: str) -> bool:
+    """Whether `what` runs its torch reference on `t`; says why once per process on CUDA."""
+    reason = loader.unavailable_reason(t, SOURCE)
+    if reason is None and loader.dtype_suffix(t.dtype) is None:
+        reason = f"{t.dtype} is not fp32, bf16 or fp16"
+    if reason is not None and t.is_cuda:
+        loader.say_once(f"{what}/{t.dtype}", f"{what} runs unfused in torch: {reason}")
+    return reason is not None

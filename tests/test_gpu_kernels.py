@@ -196,13 +196,7 @@ def test_training_with_kernels_on_and_off_gives_the_same_losses(ray_session, tmp
                                           (17, 7, torch.bfloat16), (64, 96, torch.float16), (0, 64, torch.bfloat16)])
 def test_swiglu_matches_reference(rows, h, dtype):
     """Forward and both halves' gradients; h=7 takes the scalar path."""
-    g = torch.Generator(device="cuda").manual_seed(rows + h)
-    gu = (torch.randn(rows, 2 * h, device="cuda", generator=g) * 3).to(dtype)
-    grad = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
-    _poison()
-    x = gu.clone().requires_grad_()
-    out = kernels.swiglu(x)
-    out.backward(grad)
+    gu, grad, x, out = _packed_swiglu(rows, h, dtype, seed=rows + h)
     ref_x = gu.clone().requires_grad_()
     ref = _reference(lambda: kernels.swiglu(ref_x))
     ref.backward(grad)
@@ -210,6 +204,19 @@ def test_swiglu_matches_reference(rows, h, dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), **tol)
     torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), **tol)
+
+
+def _packed_swiglu(rows: int, h: int, dtype: torch.dtype, seed: int):
+    """Random gate|up rows and an output gradient; the packed kernel's forward and backward
+    into NaN-poisoned memory. Returns (gu, grad, x with its gradient, out)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gu = (torch.randn(rows, 2 * h, device="cuda", generator=g) * 3).to(dtype)
+    grad = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
+    _poison()
+    x = gu.clone().requires_grad_()
+    out = kernels.swiglu(x)
+    out.backward(grad)
+    return gu, grad, x, out
 
 
 @pytest.mark.parametrize("n,dtype,offset", [(1 << 20, torch.bfloat16, 0), (4097, torch.bfloat16, 0),
@@ -318,13 +325,7 @@ def test_swiglu_pair_matches_reference(shape, dtype, layout):
 def test_swiglu_packed_is_the_pair_kernel_on_its_halves(rows, h, dtype):
     """The packed layout (gate and up side by side, row stride 2h) against the separate one
     (stride h): one kernel body, so the same bits, every element written."""
-    g = torch.Generator(device="cuda").manual_seed(rows * h)
-    gu = (torch.randn(rows, 2 * h, device="cuda", generator=g) * 3).to(dtype)
-    grad = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
-    _poison()
-    x = gu.clone().requires_grad_()
-    out = kernels.swiglu(x)
-    out.backward(grad)
+    gu, grad, x, out = _packed_swiglu(rows, h, dtype, seed=rows * h)
     gate, up = (half.contiguous().requires_grad_() for half in gu.chunk(2, dim=-1))
     pair = kernels.swiglu_pair(gate, up)
     pair.backward(grad)
