@@ -61,9 +61,11 @@ def fused_on(device: torch.device) -> bool:
     """Whether this torch adds a 16-bit GEMM into an fp32 tensor in place on `device`, and
     gets it right (checked once against an fp32 product)."""
     try:
-        a = torch.randn(64, 32, device=device).to(torch.bfloat16)
-        b = torch.randn(32, 48, device=device).to(torch.bfloat16)
-        c = torch.randn(64, 48, device=device)
+        # A generator of its own: the default one's state is part of a run's checkpointed RNG.
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(64, 32, device=device, generator=gen).to(torch.bfloat16)
+        b = torch.randn(32, 48, device=device, generator=gen).to(torch.bfloat16)
+        c = torch.randn(64, 48, device=device, generator=gen)
         want = c + a.float() @ b.float()
         torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
         ok = torch.allclose(c, want, rtol=1e-4, atol=1e-4)
