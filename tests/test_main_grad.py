@@ -14,10 +14,11 @@ CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, 
 LINEAR = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight", "head.weight")
 
 
-def bf16_model(split: bool = False) -> Transformer:
+def bf16_model(split: bool = False, recompute: bool = False) -> Transformer:
     m = Transformer(CFG)
     init_weights(m, CFG, seed=3)
     set_split_backward(m, split)
+    m.recompute = recompute
     return m
 
 
@@ -30,11 +31,12 @@ def master_grads(opt: MasterOptimizer) -> dict[str, torch.Tensor]:
     return {n: g.clone() for n, g in opt.named_grads().items()}
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "input-then-weight"])
-def test_fused_accumulation_gives_the_hooks_gradients(split):
+@pytest.mark.parametrize("split, recompute", [(False, False), (True, False), (False, True)],
+                         ids=["whole-backward", "input-then-weight", "recomputed"])
+def test_fused_accumulation_gives_the_hooks_gradients(split, recompute):
     """Two micro-batches summed into the fp32 gradients: fused (on CPU the layer computes the
     bf16 gradient and adds it) against autograd and the hook."""
-    hooked, fused = bf16_model(split), bf16_model(split)
+    hooked, fused = bf16_model(split, recompute), bf16_model(split, recompute)
     opts = [MasterOptimizer(hooked, TrainConfig(), fuse_grad_accumulation=False),
             MasterOptimizer(fused, TrainConfig(), fuse_grad_accumulation=True)]
     for mb, (tokens, labels) in enumerate(batches(2)):
