@@ -24,7 +24,8 @@ from raypar.kernels.loader import say_once
 
 __all__ = ["attach", "attached", "add_linear_weight_grad", "fused_on"]
 
-_ATTR = "_raypar_main_grad"  # on the parameter: (main gradient, what to call once one is added)
+# On the parameter: (main gradient, whether the GEMM can add into it, what to call once one is added).
+_ATTR = "_raypar_main_grad"
 
 
 def attach(param: Tensor, main: Tensor, arrived: Callable[[], None] | None = None) -> None:
@@ -33,9 +34,10 @@ def attach(param: Tensor, main: Tensor, arrived: Callable[[], None] | None = Non
     if main.dtype != torch.float32 or main.shape != param.shape:
         raise ValueError(f"a main gradient must be fp32 of the weight's shape {tuple(param.shape)}; "
                          f"got {main.dtype} {tuple(main.shape)}")
-    if main.is_cuda:
-        fused_on(main.device)  # probed now: a probe inside a CUDA graph's capture would break it
-    setattr(param, _ATTR, (main, arrived))
+    # Decided now, once: a probe inside a CUDA graph's capture would break it, and backward
+    # runs this per layer and micro-batch.
+    fused = main.is_cuda and fused_on(main.device)
+    setattr(param, _ATTR, (main, fused, arrived))
 
 
 def attached(param: Tensor) -> bool:
@@ -45,10 +47,10 @@ def attached(param: Tensor) -> bool:
 def add_linear_weight_grad(param: Tensor, x: Tensor, grad_out: Tensor) -> None:
     """main += grad_out^T x over every leading dimension: `param`'s weight gradient for a
     linear layer y = x param^T, added into its attached main gradient."""
-    main, arrived = getattr(param, _ATTR)
+    main, fused, arrived = getattr(param, _ATTR)
     g = grad_out.reshape(-1, grad_out.shape[-1]).t()
     a = x.reshape(-1, x.shape[-1])
-    if g.dtype in (torch.bfloat16, torch.float16) and g.dtype == a.dtype and main.is_cuda and fused_on(main.device):
+    if fused and g.dtype in (torch.bfloat16, torch.float16) and g.dtype == a.dtype:
         torch.addmm(main, g, a, out_dtype=torch.float32, out=main)
     else:
         accumulate_(main, g @ a)
