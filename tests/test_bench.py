@@ -13,6 +13,7 @@ def _rows(results: dict, suite: str) -> dict[str, dict]:
     return {r["label"]: r for r in results["suites"][suite]["rows"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_every_suite_runs_on_cpu(tmp_path):
     # Baselines launch each row twice (median and spread) and profile one step: one run of
@@ -175,6 +176,7 @@ def _check_repeated_baselines(out, results: dict) -> None:
     assert "Where each pipelined step goes" in out.stdout
 
 
+@pytest.mark.slow
 def test_schedules_bench_runs_on_cpu(tmp_path):
     """bench/schedules.py: each kind its own launch; ratios to the one-stage ideal, and the
     layers each (virtual) stage got. (Two kinds: every launch starts its own Ray.)"""

@@ -13,6 +13,7 @@ def scale_and_tp(tmp_path_factory):
     return out, results, out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_scale_suite_runs_on_cpu(scale_and_tp):
     out, results, tmp_path = scale_and_tp

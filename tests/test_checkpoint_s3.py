@@ -48,6 +48,7 @@ def test_training_saves_lists_rotates_and_resumes_on_another_grid_through_s3(ray
     assert [r.loss for r in resumed.records] == pytest.approx([r.loss for r in full.records[4:]], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase, victim", [("persisting", "stage worker"), ("committing", "writer")])
 def test_a_process_killed_at_each_phase_of_a_save_loses_only_that_save(ray_session, tmp_path, data, gate, s3_root,
                                                                         phase, victim):

@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_default_job_runs_and_prints_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -417,6 +417,7 @@ def test_state_machine_rejects_impossible_transitions():
         m.to(State.STARTING)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_node_loss_shrinks_and_node_return_grows(tmp_path, data):
     """A two-node cluster on this machine: lose a node mid-run (its ranks come back from the

@@ -104,6 +104,7 @@ def _live_actors(address, env, job: str | None = None) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_job_submit_runs_to_completion_and_stop_is_clean(head, tmp_path):
     address, env = head

@@ -102,6 +102,7 @@ def test_capacity_drops_the_same_tokens_as_the_reference(ray_session, tmp_path, 
     assert dropped > 0 and dropped == ref_dropped
 
 
+@pytest.mark.slow
 def test_same_losses_on_one_worker_and_on_eight(ray_session, tmp_path):
     def losses(grid):
         cfg = moe_config(tmp_path / "-".join(map(str, grid)), grid, top_k=2)

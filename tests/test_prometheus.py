@@ -143,6 +143,7 @@ def live() -> LiveRuns:
         yield LiveRuns(prom, evaluation)
 
 
+@pytest.mark.slow
 def test_both_backends_are_scraped_through_the_shipped_config(live):
     """The ray backend's series come from the `ray` job (targets from Ray's service-discovery
     file) with Ray's prefix, the standalone backend's from `raypar-standalone` without it."""

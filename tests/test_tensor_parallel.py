@@ -505,6 +505,7 @@ def test_tensor_parallel_config_names_what_is_not_built(tmp_path):
         load_config(None, ["parallel.sequence_parallel=true"])
 
 
+@pytest.mark.slow
 def test_a_run_split_over_tp_trains_as_the_run_without_and_its_checkpoint_loads_on_any_tp(ray_session, tmp_path):
     """The whole job (driver, schedule, records, saves) on dp=1 x pp=2 x tp=2 against pp=2
     alone: the same losses step by step. Its checkpoint after step 2 holds the global
