@@ -1,7 +1,9 @@
 """Kernels suite: each CUDA kernel against the torch eager code it replaces, in the driver
 process on one GPU, and its achieved bandwidth against the copy bandwidth measured in the
 same run (device-to-device for kernels that stay on the GPU, device-to-pinned-host for the
-snapshot copy). Times are medians of CUDA-event timings after warm-up.
+snapshot copy). Times are medians of CUDA-event timings after warm-up: of calls replayed from
+a CUDA graph (the GPU's time alone, as the stages replay their graphs in training), and of
+calls queued back to back from Python, which the host's launch cost bounds for small ops.
 
 On CPU only the torch references are timed (tiny sizes), so the suite cannot rot.
 """
@@ -16,8 +18,10 @@ if TYPE_CHECKING:
     from bench.run import Context
 
 TITLE = "CUDA kernels (CuPy) against torch eager, and against the copy bandwidth"
-NOTES = ("GPU ms per call: median over 7 timings of 10 calls queued back to back (host launch cost hidden, "
-         "as in training); host us: the time to issue one call; GB/s counts bytes read plus bytes written once each; "
+NOTES = ("GPU ms per call: median over 7 timings of 10 calls replayed from one CUDA graph (the GPU's time "
+         "alone: training replays graphs too); queued: the same, issued from Python back to back, which the host "
+         "bounds where its cost per call exceeds the GPU's; host us: the time to issue one call; "
+         "GB/s counts bytes read plus bytes written once each; "
          "copy: torch copy_ of one large tensor (device to device, or device to pinned host for the snapshot "
          "copy), measured in the same run. Eager: what the model runs without the kernel (index gather, "
          "index_add in fp32, F.dropout then add, the rotary formula with its roll, F.silu then a multiply, "
@@ -200,16 +204,24 @@ def _copy_case(device, count, numel):
 
 def _row(label: str, make: Callable, gpu: bool, d2d: float, d2h: float) -> dict:
     kernel, eager, nbytes, kind = make()
-    eager_ms = _median_ms(eager, gpu)
-    row = {"label": label, "bytes": nbytes, "eager_ms": eager_ms, "eager_gbps": nbytes / eager_ms / 1e6}
     if not gpu:
-        row["kernel_status"] = "CPU: the op runs its torch reference; only eager is timed"
-        return row
-    kernel_ms = _median_ms(kernel, gpu)
+        eager_ms = _median_ms(eager, gpu)
+        return {"label": label, "bytes": nbytes, "eager_ms": eager_ms, "eager_gbps": nbytes / eager_ms / 1e6,
+                "kernel_status": "CPU: the op runs its torch reference; only eager is timed"}
+    kernel_queued, eager_queued = _median_ms(kernel, gpu), _median_ms(eager, gpu)
+    kernel_graph, eager_graph = _graph_ms(kernel), _graph_ms(eager)
+    # Both sides from graphs, or both queued: never a ratio of one against the other.
+    graphed = isinstance(kernel_graph, float) and isinstance(eager_graph, float)
+    kernel_ms, eager_ms = (kernel_graph, eager_graph) if graphed else (kernel_queued, eager_queued)
     copy = d2d if kind == "d2d" else d2h
-    row.update(kernel_ms=kernel_ms, kernel_gbps=nbytes / kernel_ms / 1e6, speedup=eager_ms / kernel_ms,
-               copy_kind=kind, vs_copy=nbytes / kernel_ms / 1e6 / copy,
-               kernel_host_us=_host_us(kernel), eager_host_us=_host_us(eager))
+    row = {"label": label, "bytes": nbytes, "timed": "graph replay" if graphed else "queued",
+           "kernel_ms": kernel_ms, "eager_ms": eager_ms, "eager_gbps": nbytes / eager_ms / 1e6,
+           "kernel_gbps": nbytes / kernel_ms / 1e6, "speedup": eager_ms / kernel_ms,
+           "copy_kind": kind, "vs_copy": nbytes / kernel_ms / 1e6 / copy,
+           "kernel_queued_ms": kernel_queued, "eager_queued_ms": eager_queued,
+           "kernel_host_us": _host_us(kernel), "eager_host_us": _host_us(eager)}
+    if not graphed:
+        row["graph_failed"] = next(g for g in (kernel_graph, eager_graph) if isinstance(g, str))
     return row
 
 
@@ -259,6 +271,38 @@ def _median_ms(fn: Callable, gpu: bool) -> float:
     return statistics.median(times)
 
 
+def _graph_ms(fn: Callable) -> float | str:
+    """GPU time per call replaying CALLS calls captured in one CUDA graph: no host launch
+    cost at all. Returns why when the calls cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        # Warm-up on a side stream, as capture needs (autograd and the allocator settle there).
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - a row that cannot be captured is timed queued only
+        torch.cuda.synchronize()
+        return f"not capturable in a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    graph.replay()
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CALLS)
+    del graph
+    return statistics.median(times)
+
+
 def _host_us(fn: Callable) -> float:
     """Host time to issue one call (median), with the GPU left to run behind."""
     import time
@@ -286,22 +330,26 @@ def _copy_gbps(device: str, nbytes: int, pinned: bool) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | kernel ms | eager ms | speedup | kernel GB/s | vs copy | host us per call (kernel / eager) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | kernel ms | eager ms | speedup | kernel GB/s | vs copy | queued ms (kernel / eager) "
+             "| host us per call (kernel / eager) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "d2d_gbps" in r:
             lines.append(f"| copy bandwidth: device-to-device {r['d2d_gbps']:.0f} GB/s, "
-                         f"device-to-pinned-host {r['d2h_pinned_gbps']:.1f} GB/s | | | | | | |")
+                         f"device-to-pinned-host {r['d2h_pinned_gbps']:.1f} GB/s | | | | | | | |")
             continue
         if "dlpack_us_per_tensor" in r:
             lines.append(f"| launch overhead: DLPack conversion {r['dlpack_us_per_tensor']:.1f} us per tensor; "
                          f"permute of 8 rows {r['tiny_permute_host_us']:.0f} us host, x[token] "
-                         f"{r['tiny_index_host_us']:.0f} us | | | | | | |")
+                         f"{r['tiny_index_host_us']:.0f} us | | | | | | | |")
             continue
         if "kernel_ms" not in r:
-            lines.append(f"| {r['label']} | - | {r['eager_ms']:.3f} | - | - | - | - |")
+            lines.append(f"| {r['label']} | - | {r['eager_ms']:.3f} | - | - | - | - | - |")
             continue
-        lines.append(f"| {r['label']} | {r['kernel_ms']:.3f} | {r['eager_ms']:.3f} | {r['speedup']:.2f}x | "
+        # Times queued, not replayed, are marked: the host may bound them.
+        mark = "" if r["timed"] == "graph replay" else " (queued)"
+        lines.append(f"| {r['label']} | {r['kernel_ms']:.3f}{mark} | {r['eager_ms']:.3f}{mark} | {r['speedup']:.2f}x | "
                      f"{r['kernel_gbps']:.0f} | {r['vs_copy']:.0%} ({r['copy_kind']}) | "
+                     f"{r['kernel_queued_ms']:.3f} / {r['eager_queued_ms']:.3f} | "
                      f"{r['kernel_host_us']:.0f} / {r['eager_host_us']:.0f} |")
     return "\n".join(lines)
