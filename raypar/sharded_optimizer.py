@@ -494,7 +494,8 @@ class ShardedOptimizer(MasterOptimizer):
         copy(self._views[key], whole)
         flat = whole.reshape(-1)
         for family, seg, _ in self.segments_by_key().get(key, []):
-            copy(seg.of(family.master), flat[seg.start:seg.stop])
+            if family.master is not family.weights:  # fp32 on one rank: the copy above set them
+                copy(seg.of(family.master), flat[seg.start:seg.stop])
 
     def segments_by_key(self) -> dict[str, list]:
         """`segment_states` by checkpoint name."""

@@ -138,3 +138,31 @@ def test_the_benchmark_table_gives_the_ratios_the_issue_asks_for():
     # vs dp2 195/190; scaling 195/(2 x 100); state 6/12.
     assert "| 1.026 | 0.975 | 6 | 0.500 |" in sharded
     assert "Overlap share (reduce-scatter time hidden inside backward): 75.0%" in text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_loaded_weight_sets_weights_and_masters_copying_each_once(dtype):
+    """One replica: fp32 weights are their own masters, so a load copies them once; bf16
+    weights take the value, and their fp32 masters take it too."""
+    from raypar.config import ModelConfig, TrainConfig
+    from raypar.model import Transformer, init_weights
+    from raypar.sharded_optimizer import ShardedOptimizer
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, dtype=dtype)
+    model = Transformer(cfg)
+    init_weights(model, cfg, seed=3)
+    opt = ShardedOptimizer(model, TrainConfig(), {"dense": None})
+    copies: list[torch.Tensor] = []
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst)
+        dst.copy_(src.reshape(dst.shape))
+
+    key = "layers.0.attn.wq.weight"
+    value = torch.randn(opt._views[key].shape)
+    opt.set_weight(key, value, copy)
+    segments = opt.segments_by_key()[key]
+    assert len(copies) == 1 + (len(segments) if dtype == "bfloat16" else 0)
+    torch.testing.assert_close(opt._views[key].float(), value.to(getattr(torch, dtype)).float())
+    for family, seg, _ in segments:
+        torch.testing.assert_close(seg.of(family.master), value.reshape(-1)[seg.start:seg.stop])
