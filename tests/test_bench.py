@@ -211,3 +211,23 @@ def test_rows_that_a_rows_pattern_does_not_select_are_listed_as_skipped(tmp_path
         {"label": "tp=1, 1 GPU", "skipped": r"not selected by --rows 'tp=2\\b'"}]
     ran = ctx.attempt("tp=2, 2 GPUs", lambda: {"label": "tp=2, 2 GPUs", "tokens_per_s": 1.0})
     assert [(r["label"], r["tokens_per_s"]) for r in ran] == [("tp=2, 2 GPUs", 1.0)]
+
+
+def test_the_kernels_table_shows_graph_replay_times_and_marks_queued_ones():
+    """GPU rows of bench/kernels.py: times replayed from a CUDA graph stand as they are,
+    those only queued from Python (not capturable) are marked, the queued pair beside both."""
+    from bench.kernels import table
+
+    common = {"bytes": 1, "kernel_gbps": 900.0, "eager_gbps": 300.0, "copy_kind": "d2d", "vs_copy": 0.5,
+              "kernel_host_us": 30.0, "eager_host_us": 90.0}
+    rows = [{"label": "rope", "timed": "graph replay", "kernel_ms": 0.05, "eager_ms": 0.15, "speedup": 3.0,
+             "kernel_queued_ms": 0.2, "eager_queued_ms": 0.25, **common},
+            {"label": "copy", "timed": "queued", "graph_failed": "not capturable in a CUDA graph: RuntimeError: x",
+             "kernel_ms": 0.4, "eager_ms": 0.8, "speedup": 2.0, "kernel_queued_ms": 0.4, "eager_queued_ms": 0.8,
+             **common},
+            {"label": "cpu row", "eager_ms": 1.5}]
+    lines = table(rows).splitlines()
+    assert "| rope | 0.050 | 0.150 | 3.00x | 900 | 50% (d2d) | 0.200 / 0.250 | 30 / 90 |" in lines
+    assert "| copy | 0.400 (queued) | 0.800 (queued) | 2.00x | 900 | 50% (d2d) | 0.400 / 0.800 | 30 / 90 |" in lines
+    assert "| cpu row | - | 1.500 | - | - | - | - | - |" in lines
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
