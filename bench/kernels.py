@@ -247,27 +247,37 @@ def _launch_overhead_row() -> dict:
 
 
 def _median_ms(fn: Callable, gpu: bool) -> float:
-    """GPU time per call: calls queued back to back between two events, so the host's
-    launch cost is hidden as it is in training, where the host runs ahead of the GPU."""
+    """GPU time per call of calls queued back to back from Python between two events: the
+    host bounds it where its launch cost exceeds the GPU's time. On CPU, one call's wall time."""
     import time
+
+    def queued() -> None:
+        for _ in range(CALLS):
+            fn()
 
     for _ in range(3):
         fn()
+    if gpu:
+        return _events_ms(queued)
     times = []
     for _ in range(REPEATS):
-        if gpu:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(CALLS):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / CALLS)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def _events_ms(calls: Callable[[], object]) -> float:
+    """Median over REPEATS of `calls` (CALLS calls of an op) between two CUDA events, per call."""
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        calls()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CALLS)
     return statistics.median(times)
 
 
@@ -290,17 +300,7 @@ def _graph_ms(fn: Callable) -> float | str:
         torch.cuda.synchronize()
         return f"not capturable in a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     graph.replay()
-    times = []
-    for _ in range(REPEATS):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    del graph
-    return statistics.median(times)
+    return _events_ms(graph.replay)
 
 
 def _host_us(fn: Callable) -> float:
