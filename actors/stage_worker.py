@@ -211,7 +211,7 @@ class StageWorker:
         t0 = time.perf_counter()
         timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout)
+        init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout, host_wait.check)
         layout = run_layout(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.chunks)
         groups = build_groups(self.grid, self.rank, timeout, layout,
                               backward_groups=wants_backward_groups(self.cfg, self.grid, backend),

@@ -68,6 +68,8 @@ class WorkerGroup:
                 self.slots += self.placement.adopt(k.pg, k.strategy)
                 self.workers += k.workers
             rebind = [rank for rank, w in enumerate(self.workers) if w is not None]
+            # How this group's workers came (`reconfigure` counts its own): taken over, started.
+            self.placed: dict[str, int] | None = {"kept": len(rebind), "started": grid.size - len(rebind), "standby": 0}
             self.slots += self.placement.reserve(grid.size - len(self.slots), per_node=grid.tp)
             self.workers += [None] * (len(self.slots) - len(self.workers))
             self.workers = [w if w is not None else self.start_worker(slot, rank)
@@ -119,10 +121,10 @@ class WorkerGroup:
     def reconfigure(self, cfg: Config, grid: Grid, init_weights: bool = True) -> dict[str, int]:
         """Put `grid` on the kept workers plus new ones; returns how many were kept, started
         and taken from the standbys."""
-        self.cfg, self.grid = cfg, grid
-        counts = self.reserve.fill(grid.size)
+        self.cfg, self.grid, self.placed = cfg, grid, None
+        self.placed = self.reserve.fill(grid.size)
         self.setup(fresh=False, init_weights=init_weights)
-        return counts
+        return self.placed
 
     def rebuild(self, cfg: Config, hold_state: bool = False) -> list[Manifest] | None:
         """The same workers and grid with `cfg`'s cut of the model (its schedule's chunks per

@@ -362,6 +362,35 @@ def test_worker_killed_during_recovery(ray_session, tmp_path, data):
     assert sorted({r.step for r in summary.records}) == list(range(8))
 
 
+def test_a_worker_lost_while_the_recovery_sets_up_leaves_the_survivor_kept(ray_session, tmp_path, data, uninterrupted,
+                                                                          monkeypatch):
+    """The new worker dies before it joins the recovery's rendezvous. The survivor waiting
+    there for it gives up when the driver aborts, so the next salvage keeps it, instead of
+    killing it once elastic.survivor_timeout_s has passed."""
+    from raypar.actors.worker_group import WorkerGroup
+
+    set_up, lost = WorkerGroup.setup, []
+
+    def setup_losing_the_new_worker(group, fresh, init_weights):
+        if not fresh and not lost:
+            lost.append(group.workers[1])
+            ray.kill(group.workers[1])
+            wait_gone(group.workers[1])
+        return set_up(group, fresh, init_weights)
+
+    monkeypatch.setattr(WorkerGroup, "setup", setup_losing_the_new_worker)
+    watch = KillAndWatchActors(3, 1)
+    summary = Trainer(elastic_config(tmp_path, "run", (1, 2, 1), memory_every=1, survivor_timeout_s=60.0),
+                      callbacks=[watch]).fit()
+    event = summary.recoveries[0]
+    assert len(summary.recoveries) == 1 and event["attempts"] == 2
+    # Rank 0 went through both attempts in the same process; rank 1 is the third of its rank.
+    assert event["workers_kept"] == 1 and event["workers_started"] == 2
+    assert watch.after[0] == watch.before[0] and watch.after[1] not in (watch.before[1], lost[0]._actor_id.hex())
+    got, want = last_loss_per_step(summary), last_loss_per_step(uninterrupted((1, 2, 1), None))
+    assert [got[s] for s in range(8)] == pytest.approx([want[s] for s in range(8)], rel=1e-5)
+
+
 def test_more_than_the_cluster_can_ever_give_fails_clearly(ray_session, tmp_path, data):
     cfg = elastic_config(tmp_path, "big", (1, 2, 1), min_workers=2, resource_timeout_s=2.0)
     cfg.runtime.cpus_per_worker = 6.0  # the test cluster has 8 CPUs: one worker fits, min is 2

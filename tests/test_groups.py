@@ -1,6 +1,7 @@
 """Which process groups a worker builds: every rank the same new_group calls, in the same order."""
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -141,3 +142,57 @@ def test_loop_and_v_links():
     assert Layout(3).forward_links() == [(0, 1), (1, 2)]
     assert Layout(3, 2, "loop").forward_links() == [(0, 1), (1, 2), (2, 0)]
     assert Layout(3, 2, "v").forward_links() == [(0, 1), (1, 2), (2, 1), (1, 0)]
+
+
+def test_the_rendezvous_returns_once_every_rank_has_arrived():
+    import threading
+
+    from ports import free_port
+
+    port, stores, errors = free_port(), {}, []
+
+    def join(rank):
+        try:
+            stores[rank] = groups_mod.rendezvous("127.0.0.1", port, rank, 3, timedelta(seconds=30))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    # The host last: the others wait for it to listen, then for each other.
+    threads = [threading.Thread(target=join, args=(r,)) for r in (2, 1, 0)]
+    for i, t in enumerate(threads):
+        t.start()
+        if i < 2:
+            t.join(0.3)
+    for t in threads:
+        t.join(30)
+    assert not errors and sorted(stores) == [0, 1, 2]
+    stores[1].set("from 1", "seen")
+    assert stores[2].get("from 1") == b"seen"
+
+
+def test_a_rank_that_never_arrives_ends_the_wait_when_checked_or_timed_out():
+    from ports import free_port
+
+    class Aborted(RuntimeError):
+        pass
+
+    def aborted_after(polls):
+        calls = []
+
+        def check(what):
+            calls.append(what)
+            if len(calls) > polls:  # the driver's abort, some polls into the wait
+                raise Aborted(what)
+        return check
+
+    # Rank 1 never comes: the check ends the wait, not the 60 s timeout.
+    start = time.monotonic()
+    with pytest.raises(Aborted, match=r"rank 0: joining the world of 2 ranks"):
+        groups_mod.rendezvous("127.0.0.1", free_port(), 0, 2, timedelta(seconds=60), aborted_after(5))
+    assert time.monotonic() - start < 30
+    # Without a check: the timeout, naming who is missing.
+    with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] did not arrive within 0.5s"):
+        groups_mod.rendezvous("127.0.0.1", free_port(), 0, 3, timedelta(seconds=0.5))
+    # A rank whose host never listens gives up as checked, between its tries to connect.
+    with pytest.raises(Aborted):
+        groups_mod.rendezvous("127.0.0.1", free_port(), 1, 2, timedelta(seconds=60), aborted_after(1))

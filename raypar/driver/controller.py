@@ -419,13 +419,15 @@ class Controller:
         init_weights = path is None
         if self.group is not None:
             # Workers kept after a failure (`_recover`): the new grid on them plus replacements.
-            counts = self.group.reconfigure(self.cfg, self.grid, init_weights)
-            if self._recovery is not None:
-                self._recovery.workers_placed(counts["kept"], counts["started"], counts["standby"])
+            try:
+                counts = self.group.reconfigure(self.cfg, self.grid, init_weights)
+            finally:
+                self._count_placed()  # also where the setup failed: its new workers were started
             self.log(f"raypar: kept {counts['kept']} stage workers, started {counts['started']}"
                      + (f", took {counts['standby']} from the standbys" if counts["standby"] else ""))
         else:
             self.group = WorkerGroup(self.cfg, self.grid, resources, str(dataset.path), init_weights)
+            self._count_placed()
         self._say_kernels(self.group.info)
         for cell, nodes in cells_across_nodes(self.grid, [i["node"] for i in self.group.info]).items():
             self.log(f"raypar: the tp workers of stage cell {cell} are on nodes {nodes}: their all-reduces cross the "
@@ -613,6 +615,12 @@ class Controller:
         if self.cfg.runtime.device != "auto":
             return self.cfg.runtime.device
         return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+    def _count_placed(self) -> None:
+        """In a recovery: how the group's workers came (kept, started, from the standbys)."""
+        placed = self.group.placed if self.group is not None else None
+        if self._recovery is not None and placed is not None:
+            self._recovery.workers_placed(placed["kept"], placed["started"], placed["standby"])
 
     def _say_kernels(self, info: list[dict]) -> None:
         """Which CUDA kernels the workers run, once per run (CPU workers use the references)."""

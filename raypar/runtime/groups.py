@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -33,14 +35,49 @@ class StageGroups:
 
 
 def init_world(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-               timeout: timedelta) -> None:
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-    )
+               timeout: timedelta, check: Callable[[str], None] = lambda what: None) -> None:
+    """Join the world's process group once every rank has reached its store (`rendezvous`)."""
+    store = rendezvous(master_addr, master_port, rank, world_size, timeout, check)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+# How long one attempt to reach the store's host waits, and how often the wait for the other
+# ranks looks again: the waits in between give `check` its turn.
+_CONNECT_TRY_S = 1.0
+_ARRIVAL_POLL_S = 0.01
+
+
+def rendezvous(master_addr: str, master_port: int, rank: int, world_size: int, timeout: timedelta,
+               check: Callable[[str], None] = lambda what: None) -> dist.TCPStore:
+    """The world's store (rank 0 hosts it), once every rank has arrived at it.
+
+    torch's own rendezvous blocks until the timeout when a rank never comes, and nothing can
+    end it sooner: a worker waiting there for a peer that died cannot be reset for the next
+    plan. Here the waits are short and `check(what)` runs between them; it raises to give up
+    (a recovery's abort, `host_wait.check`). Once all have arrived, the process group's own
+    connections are made among ranks that were alive a moment ago."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    what = f"rank {rank}: joining the world of {world_size} ranks at {master_addr}:{master_port}"
+    while True:
+        check(what)
+        try:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=_CONNECT_TRY_S), wait_for_workers=False)
+            break
+        except (RuntimeError, OSError):
+            # The host (rank 0) is not listening yet, or is gone; rank 0 itself could not bind.
+            if rank == 0 or time.monotonic() > deadline:
+                raise
+    store.set_timeout(timeout)
+    keys = [f"raypar/arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    while not store.check(keys):
+        check(what)
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(f"{what}: ranks {missing} did not arrive within {timeout.total_seconds():g}s")
+        time.sleep(_ARRIVAL_POLL_S)
+    return store
 
 
 def build_groups(grid: Grid, rank: int, timeout: timedelta, layout: Layout | None = None,
