@@ -34,9 +34,11 @@ def run_launch(argv: list[str], tree: Path, what: str) -> dict:
 
 
 
-def launch_parser(doc: str, kinds: list[str], default_kinds: list[str], steps: int, work: str) -> argparse.ArgumentParser:
+def launch_parser(doc: str, kinds: list[str], default_kinds: list[str], steps: int, work: str,
+                  options: dict[str, dict] | None = None) -> argparse.ArgumentParser:
     """The options every alternating-launch script takes: --out, --rounds, --steps, --kinds,
-    --work, --cpu, and the internal --launch KIND that runs one launch in this process."""
+    --work, --cpu, and the internal --launch KIND that runs one launch in this process; then
+    the script's own `options` (flag: `add_argument`'s keywords), which every launch gets too."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
@@ -45,7 +47,18 @@ def launch_parser(doc: str, kinds: list[str], default_kinds: list[str], steps: i
     ap.add_argument("--work", type=Path, default=Path(work))
     ap.add_argument("--cpu", action="store_true", help="a tiny model on CPU workers (checks the script)")
     ap.add_argument("--launch", help=argparse.SUPPRESS)
+    for flag, spec in (options or {}).items():
+        ap.add_argument(flag, **spec)
     return ap
+
+
+def option_values(args: argparse.Namespace, options: dict[str, dict] | None) -> dict[str, object]:
+    """The script's own options as parsed, by their argparse names (`--pp` -> "pp")."""
+    return {_dest(flag): getattr(args, _dest(flag)) for flag in options or {}}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def chosen_kinds(text: str, kinds: list[str]) -> list[str]:
@@ -57,33 +70,37 @@ def chosen_kinds(text: str, kinds: list[str]) -> list[str]:
     return chosen
 
 
-def each_launch(module: str, args: argparse.Namespace, kinds: list[str], tree: Path) -> Iterator[dict]:
+def each_launch(module: str, args: argparse.Namespace, kinds: list[str], tree: Path,
+                options: dict[str, dict] | None = None) -> Iterator[dict]:
     """Every launch of `kinds` over `args.rounds` rounds, each `python -m module --launch KIND`
-    (with `launch_parser`'s --steps, --work of its round and --cpu) in its own process; yields
-    each result with its round. Odd rounds run the kinds in reverse order, so no kind always
-    runs first on a machine that warms up or tires."""
+    (with `launch_parser`'s --steps, --work of its round and --cpu, and the script's own
+    `options`) in its own process; yields each result with its round. Odd rounds run the kinds
+    in reverse order, so no kind always runs first on a machine that warms up or tires."""
+    own = [x for flag in options or {} for x in (flag, str(getattr(args, _dest(flag))))]
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
             argv = ["-m", module, "--out", str(args.out), "--launch", kind, "--steps", str(args.steps),
-                    "--work", str(args.work / f"round{r}"), *(["--cpu"] if args.cpu else [])]
+                    "--work", str(args.work / f"round{r}"), *(["--cpu"] if args.cpu else []), *own]
             yield {**run_launch(argv, tree, f"{kind} of round {r}"), "round": r}
 
 
 def alternate(module: str, doc: str, kinds: list[str], default_kinds: list[str], steps: int, work: str,
               launch: Callable[[str, int, Path, bool], dict], describe: Callable[[dict], str],
-              table: Callable[[list[dict]], str], stem: str) -> None:
+              table: Callable[[list[dict]], str], stem: str, options: dict[str, dict] | None = None) -> None:
     """The main of a script that alternates launches: with the internal --launch KIND, run
-    `launch(kind, steps, work, cpu)` here and print its result; else every round's launches
-    (`each_launch`), each described by `describe` as it ends, and after each one
-    OUT/<stem>.json and OUT/<stem>.md (`table`), so that a call cut short keeps what it measured."""
-    args = launch_parser(doc, kinds, default_kinds, steps=steps, work=work).parse_args()
+    `launch(kind, steps, work, cpu, **its options)` here and print its result; else every
+    round's launches (`each_launch`), each described by `describe` as it ends, and after each
+    one OUT/<stem>.json and OUT/<stem>.md (`table`), so that a call cut short keeps what it
+    measured."""
+    args = launch_parser(doc, kinds, default_kinds, steps=steps, work=work, options=options).parse_args()
     if args.launch:
-        print(PREFIX + json.dumps(launch(args.launch, args.steps, args.work, args.cpu)), flush=True)
+        result = launch(args.launch, args.steps, args.work, args.cpu, **option_values(args, options))
+        print(PREFIX + json.dumps(result), flush=True)
         return
     chosen = chosen_kinds(args.kinds, kinds)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    for res in each_launch(module, args, chosen, ROOT):
+    for res in each_launch(module, args, chosen, ROOT, options):
         results.append(res)
         print(f"round {res['round']} {res['kind']}: {describe(res)}", flush=True)
         (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")

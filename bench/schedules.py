@@ -1,16 +1,18 @@
 """Pipeline schedules side by side against the bubble-free ideal (issue 27), in one call.
 
     python -m bench.schedules --out DIR [--rounds 2] [--steps 10] [--kinds pp1,1f1b,...]   # 2 GPUs
+    python -m bench.schedules --out DIR --pp 4 --kinds pp1,1f1b,zb-h2-auto,...             # 4 GPUs
     python -m bench.schedules --out DIR --cpu --rounds 1 --kinds pp1,zb-v                  # tiny model, CPU
 
-The 1B config (`configs/gpt-1b.yaml`, 8 micro-batches) on one GPU (`pp1`: the ideal for two
-is twice its tokens/s) and on pp=2 with each schedule, with the even layer split or with
-`parallel.layers_per_stage=auto` (kinds ending in `-auto`: layers balanced by modelled cost,
-the head's work counted on its stage). Every launch is its own process (fresh Ray, fresh
-workers) and the order reverses between rounds. Per launch: tokens/s (median steady step),
-measured bubble, peak device memory of the fullest stage. The table gives each kind's
-median over rounds, its share of 2 x pp1 and its peak memory over 1F1B's. Writes
-DIR/schedules.json and .md.
+The 1B config (`configs/gpt-1b.yaml`, 8 micro-batches) on one GPU (`pp1`: the ideal for
+--pp GPUs is that many times its tokens/s) and on pp=--pp (default 2) with each schedule,
+with the even layer split or with `parallel.layers_per_stage=auto` (kinds ending in `-auto`:
+layers balanced by modelled cost, the head's work counted on its stage). Every launch is its
+own process (fresh Ray, fresh workers) and the order reverses between rounds. Per launch:
+tokens/s (median steady step), measured bubble, peak device memory of the fullest stage.
+The table gives each kind's median over rounds, its share of pp x pp1 and its peak memory
+over 1F1B's. Writes DIR/schedules.json and .md. On CPU the tiny model has 2 layers per stage
+(--pp x 2), so that the two-chunk schedules can cut it.
 """
 from __future__ import annotations
 
@@ -40,22 +42,24 @@ CPU_MODEL = ["model.vocab_size=256", "model.dim=64", "model.n_layers=4", "model.
              "runtime.cpus_per_worker=0.25", "train.global_batch_size=16"]
 
 
-def launch(kind: str, steps: int, work: Path, cpu: bool) -> dict:
-    """One training run in this process; returns its figures."""
+def launch(kind: str, steps: int, work: Path, cpu: bool, pp: int = 2) -> dict:
+    """One training run in this process, pipelined kinds over `pp` stages; returns its figures."""
     from raypar import Trainer, load_config
     from raypar.model.partition import stage_sizes
     from raypar.schedule import run_layout
 
+    stages = [] if kind == "pp1" else [f"parallel.pp={pp}"]
     cfg = load_config(str(ROOT / "configs" / "gpt-1b.yaml"),
-                      [*(CPU_MODEL if cpu else []), "parallel.microbatches=8", *KINDS[kind], f"train.steps={steps}",
-                       f"runtime.run_dir={work / kind}", "runtime.log_every=100"])
+                      [*(CPU_MODEL + [f"model.n_layers={2 * pp}"] if cpu else []), "parallel.microbatches=8",
+                       *KINDS[kind], *stages, f"train.steps={steps}", f"runtime.run_dir={work / kind}",
+                       "runtime.log_every=100"])
     p = cfg.parallel
     n_virtual = run_layout(p.schedule, p.pp, p.chunks).n_virtual
     split = stage_sizes(cfg.model, n_virtual, p.layers_per_stage)
     s = Trainer(cfg, log=lambda m: None).fit()
     steady = s.records[2:] if len(s.records) > 3 else s.records[1:]
     step_s = statistics.median(r.step_time_s for r in steady)
-    return {"kind": kind, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
+    return {"kind": kind, "pp": p.pp, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / step_s,
             "step_ms": step_s * 1000, "bubble": statistics.median(r.bubble_measured for r in steady),
             "peak_device_bytes": s.peak_device_bytes, "peak_activation_bytes": s.peak_activation_bytes,
             "layers_per_stage": split, "final_loss": s.final_loss, "cuda_graphs_share": s.cuda_graphs_share}
@@ -65,22 +69,25 @@ def main() -> None:
     alternate("bench.schedules", __doc__, list(KINDS), DEFAULT_KINDS, 10, "/tmp/schedules", launch,
               lambda r: f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms, bubble {r['bubble']:.3f}, "
                         f"graphed {r['cuda_graphs_share']:.2f}",
-              table, "schedules")
+              table, "schedules",
+              options={"--pp": {"type": int, "default": 2, "help": "pipeline stages of every kind but pp1 (GPUs)"}})
 
 
 def table(results: list[dict]) -> str:
-    """Per kind: median tokens/s over rounds, against 2 x pp1 (the ideal) and 1F1B."""
+    """Per kind: median tokens/s over rounds, against pp x pp1 (the ideal) and 1F1B."""
     by_kind: dict[str, list[dict]] = {}
     for r in results:
         by_kind.setdefault(r["kind"], []).append(r)
     tps = {k: statistics.median(x["tokens_per_s"] for x in rs) for k, rs in by_kind.items()}
+    # Results of launches before --pp existed ran pp=2.
+    pp = max((r.get("pp", 2) for r in results if r["kind"] != "pp1"), default=2)
     # The fullest stage's device peak (its activations' on CPU, where no device is measured).
     key = "peak_device_bytes" if max(results[0]["peak_device_bytes"] or [0]) else "peak_activation_bytes"
     peak = {k: max(max(x[key]) for x in rs) for k, rs in by_kind.items()}
-    lines = ["| launch | layers per (virtual) stage | tokens/s (each round) | vs ideal (2 x pp1) | vs 1f1b | bubble measured "
-             "| peak memory vs 1f1b |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| launch | layers per (virtual) stage | tokens/s (each round) | vs ideal ({pp} x pp1) | vs 1f1b "
+             "| bubble measured | peak memory vs 1f1b |", "|---|---|---|---|---|---|---|"]
     for k, rs in by_kind.items():
-        ideal = f"{tps[k] / (2 * tps['pp1']):.3f}" if "pp1" in tps and k != "pp1" else ""
+        ideal = f"{tps[k] / (pp * tps['pp1']):.3f}" if "pp1" in tps and k != "pp1" else ""
         vs = f"{tps[k] / tps['1f1b']:.3f}" if "1f1b" in tps and k != "pp1" else ""
         mem = f"{peak[k] / peak['1f1b']:.2f}" if "1f1b" in peak and k != "pp1" else ""
         each = " / ".join(f"{x['tokens_per_s']:,.0f}" for x in rs)
@@ -89,7 +96,7 @@ def table(results: list[dict]) -> str:
                      f"| {mem} |")
     best = max((k for k in tps if k != "pp1"), key=tps.get, default=None)
     if best is not None and "pp1" in tps:
-        lines.append(f"\nFastest pipelined launch: {best}, {tps[best] / (2 * tps['pp1']):.3f} of the ideal")
+        lines.append(f"\nFastest pipelined launch: {best}, {tps[best] / (pp * tps['pp1']):.3f} of the ideal")
     return "\n".join(lines) + "\n"
 
 

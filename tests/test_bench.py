@@ -178,26 +178,29 @@ def _check_repeated_baselines(out, results: dict) -> None:
 
 @pytest.mark.slow
 def test_schedules_bench_runs_on_cpu(tmp_path):
-    """bench/schedules.py: each kind its own launch; ratios to the one-stage ideal, and the
-    layers each (virtual) stage got. (Two kinds: every launch starts its own Ray.)"""
+    """bench/schedules.py: each kind its own launch; ratios to the one-stage ideal times the
+    stages (--pp 4 here), and the layers each (virtual) stage got. (Two kinds: every launch
+    starts its own Ray.)"""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "bench.schedules", "--out", str(out), "--cpu", "--rounds", "1",
-                    "--steps", "3", "--kinds", "pp1,interleaved-1f1b-auto", "--work", str(tmp_path / "work")],
+                    "--steps", "3", "--pp", "4", "--kinds", "pp1,interleaved-1f1b-auto", "--work", str(tmp_path / "work")],
                    check=True, capture_output=True, text=True, timeout=240)
     rows = {r["kind"]: r for r in json.loads((out / "schedules.json").read_text())}
     assert set(rows) == {"pp1", "interleaved-1f1b-auto"} and all(r["tokens_per_s"] > 0 for r in rows.values())
-    assert rows["pp1"]["layers_per_stage"] == [4]
-    assert len(rows["interleaved-1f1b-auto"]["layers_per_stage"]) == 4  # 2 stages x 2 chunks
-    # The same model, data and steps in every launch: the same losses, whatever the schedule.
-    assert rows["interleaved-1f1b-auto"]["final_loss"] == pytest.approx(rows["pp1"]["final_loss"], rel=1e-4)
-    table = (out / "schedules.md").read_text()
+    # On CPU the tiny model has 2 layers per stage: 8 here, on 4 stages of 2 chunks each.
+    assert rows["pp1"]["layers_per_stage"] == [8] and rows["pp1"]["pp"] == 1
     row = rows["interleaved-1f1b-auto"]
-    ideal = row["tokens_per_s"] / (2 * rows["pp1"]["tokens_per_s"])
+    assert row["pp"] == 4 and len(row["layers_per_stage"]) == 8 and sum(row["layers_per_stage"]) == 8
+    # The same model, data and steps in every launch: the same losses, whatever the schedule.
+    assert row["final_loss"] == pytest.approx(rows["pp1"]["final_loss"], rel=1e-4)
+    table = (out / "schedules.md").read_text()
+    ideal = row["tokens_per_s"] / (4 * rows["pp1"]["tokens_per_s"])
     split = " ".join(f"{n:g}" for n in row["layers_per_stage"])  # halves as .5
+    assert "| vs ideal (4 x pp1) |" in table
     assert f"| interleaved-1f1b-auto | {split} | {row['tokens_per_s']:,.0f} | {ideal:.3f} |  |" in table
     assert f"Fastest pipelined launch: interleaved-1f1b-auto, {ideal:.3f} of the ideal" in table
 
