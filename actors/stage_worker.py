@@ -211,7 +211,7 @@ class StageWorker:
         t0 = time.perf_counter()
         timeout = timedelta(seconds=self.cfg.runtime.collective_timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout, host_wait.check)
+        arrival = init_world(backend, master_addr, master_port, self.rank, self.grid.size, timeout, host_wait.check)
         layout = run_layout(self.cfg.parallel.schedule, self.grid.pp, self.cfg.parallel.chunks)
         groups = build_groups(self.grid, self.rank, timeout, layout,
                               backward_groups=wants_backward_groups(self.cfg, self.grid, backend),
@@ -244,9 +244,10 @@ class StageWorker:
                 self._reserve_after_step = OWN_SLOTS_ALONE
             # Else they would not fit: the driver's check of the host's memory says so (allocated,
             # Ray's memory monitor would kill this worker before that check could).
-        # Where a setup's time goes: the rendezvous, data and kernels, building the stage and
-        # optimizer, the first connections to its neighbours and the world.
-        setup_s = {"groups": t1 - t0, "data_kernels": t2 - t1, **self.runtime.setup_s}
+        # Where a setup's time goes: waiting for every rank at the rendezvous, forming the
+        # process groups, data and kernels, building the stage and optimizer, the first
+        # connections to its neighbours and the world.
+        setup_s = {"arrival": arrival, "groups": t1 - t0 - arrival, "data_kernels": t2 - t1, **self.runtime.setup_s}
         return {"setup_s": setup_s, "rank": self.rank, "coord": str(coord), "node": ray.util.get_node_ip_address(),
                 "state_bytes": self.runtime.state_bytes(),
                 "parameters": sum(p.numel() for p in self.runtime.model.parameters()),

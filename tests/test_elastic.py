@@ -142,7 +142,7 @@ def test_killed_worker_recovers_to_the_uninterrupted_result(ray_session, tmp_pat
     assert event["workers_kept"] == 3 and event["workers_started"] == 1
     assert [a == b for a, b in zip(watch.before, watch.after)] == [r != rank for r in range(4)]
     # Setup's phases, each the longest over the workers, happen within "workers up".
-    assert set(event["setup_s"]) == {"groups", "data_kernels", "build", "connect"}
+    assert set(event["setup_s"]) == {"arrival", "groups", "data_kernels", "build", "connect"}
     assert max(event["setup_s"].values()) <= event["workers_s"] <= event["recovery_s"]
     print(f"\nrecovery: detected in {event['detection_s']:.2f}s, recovered in {event['recovery_s']:.2f}s, "
           f"{event['steps_lost']} steps redone, grid {event['failed_grid']} -> {event['grid']}, from {event['source']}")

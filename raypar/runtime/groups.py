@@ -35,10 +35,15 @@ class StageGroups:
 
 
 def init_world(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-               timeout: timedelta, check: Callable[[str], None] = lambda what: None) -> None:
-    """Join the world's process group once every rank has reached its store (`rendezvous`)."""
+               timeout: timedelta, check: Callable[[str], None] = lambda what: None) -> float:
+    """Join the world's process group once every rank has reached its store (`rendezvous`);
+    returns the seconds until they all had (on a worker kept after a failure: mostly the
+    start of the new ones)."""
+    t0 = time.perf_counter()
     store = rendezvous(master_addr, master_port, rank, world_size, timeout, check)
+    arrived = time.perf_counter() - t0
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return arrived
 
 
 # How long one attempt to reach the store's host waits, and how often the wait for the other
