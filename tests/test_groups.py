@@ -196,3 +196,32 @@ def test_a_rank_that_never_arrives_ends_the_wait_when_checked_or_timed_out():
     # A rank whose host never listens gives up as checked, between its tries to connect.
     with pytest.raises(Aborted):
         groups_mod.rendezvous("127.0.0.1", free_port(), 1, 2, timedelta(seconds=60), aborted_after(1))
+
+
+def test_a_rank_waiting_for_the_others_fails_at_once_when_the_host_of_the_store_is_gone():
+    """Rank 0 hosts the store; when its process ends, a rank waiting there fails within a
+    poll, not at the timeout."""
+    import gc
+    import threading
+
+    import torch.distributed as dist
+    from ports import free_port
+
+    port, outcome = free_port(), {}
+    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+
+    def wait():
+        start = time.monotonic()
+        try:
+            groups_mod.rendezvous("127.0.0.1", port, 1, 2, timedelta(seconds=60))
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            outcome["error"] = e
+        outcome["s"] = time.monotonic() - start
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.5)
+    del host  # its server goes with it, as with rank 0's process
+    gc.collect()
+    waiting.join(60)
+    assert isinstance(outcome.get("error"), RuntimeError) and outcome["s"] < 30, outcome
