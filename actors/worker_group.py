@@ -121,7 +121,8 @@ class WorkerGroup:
     def reconfigure(self, cfg: Config, grid: Grid, init_weights: bool = True) -> dict[str, int]:
         """Put `grid` on the kept workers plus new ones; returns how many were kept, started
         and taken from the standbys."""
-        self.cfg, self.grid, self.placed = cfg, grid, None
+        self.cfg, self.grid = cfg, grid
+        self.placed = None  # a fill that fails part way counts nothing
         self.placed = self.reserve.fill(grid.size)
         self.setup(fresh=False, init_weights=init_weights)
         return self.placed
