@@ -1,4 +1,5 @@
-"""Which process groups a worker builds: every rank the same new_group calls, in the same order."""
+"""Which process groups a worker builds: every rank the same new_group calls, in the same order;
+and the rendezvous before them, which a recovery's abort can end."""
 from __future__ import annotations
 
 import time

@@ -34,8 +34,12 @@ class StageGroups:
     channels: dict[tuple[str, int, int], object] = field(default_factory=dict)
 
 
+def _wait_on(what: str) -> None:
+    """The default `check` of a rendezvous: nothing ends the wait but its timeout."""
+
+
 def init_world(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-               timeout: timedelta, check: Callable[[str], None] = lambda what: None) -> float:
+               timeout: timedelta, check: Callable[[str], None] = _wait_on) -> float:
     """Join the world's process group once every rank has reached its store (`rendezvous`);
     returns the seconds until they all had (on a worker kept after a failure: mostly the
     start of the new ones)."""
@@ -53,7 +57,7 @@ _ARRIVAL_POLL_S = 0.01
 
 
 def rendezvous(master_addr: str, master_port: int, rank: int, world_size: int, timeout: timedelta,
-               check: Callable[[str], None] = lambda what: None) -> dist.TCPStore:
+               check: Callable[[str], None] = _wait_on) -> dist.TCPStore:
     """The world's store (rank 0 hosts it), once every rank has arrived at it.
 
     torch's own rendezvous blocks until the timeout when a rank never comes, and nothing can
